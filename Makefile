@@ -1,0 +1,35 @@
+# Two entry points, each doing all of its own set-up on a fresh Debian bookworm machine (as root):
+#   make demo   installs what is missing and runs the main job on the embedded stack
+#   make test   installs what is missing and runs the test suite
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup system venv bench clean
+
+setup: system venv
+
+system:
+	@bash scripts/setup-system.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/corral demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""What at least two corral services share: the v1 bus contract, subjects, config, bus helpers."""

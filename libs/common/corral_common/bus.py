@@ -1,0 +1,133 @@
+"""NATS helpers shared by the services: connecting, idempotent JetStream set-up, and serving
+request/reply subjects so that every request gets exactly one reply, whatever goes wrong."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+from nats.js.kv import KeyValue
+
+from . import messages, metrics, subjects
+from .errors import Code, CorralError
+
+log = logging.getLogger("corral.bus")
+T = TypeVar("T")
+
+
+async def connect(url: str, name: str, **kw: Any) -> NATS:
+    """Connect with reconnects forever: services must outlive a NATS restart."""
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        pending_size=64 * 1024 * 1024,
+        **kw,
+    )
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    for name, subs in subjects.STREAMS.items():
+        cfg = StreamConfig(name=name, subjects=subs, storage=StorageType.FILE, max_age=7 * 86400)
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError:
+            await js.update_stream(cfg)
+
+
+async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None, history: int = 1) -> KeyValue:
+    try:
+        return await js.key_value(bucket)
+    except Exception:
+        pass
+    try:
+        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=history, ttl=ttl))
+    except BadRequestError:
+        # another process created it in between
+        return await js.key_value(bucket)
+
+
+def decode(data: bytes, typ: type[T]) -> T:
+    """Decode a request; malformed JSON or wrong types become `invalid_request` with msgspec's
+    message, which names the offending field (`Expected `float` >= 0 - at `$.cpu``)."""
+    if not data:
+        data = b"{}"
+    try:
+        return msgspec.json.decode(data, type=typ)
+    except msgspec.ValidationError as e:
+        raise CorralError(f"invalid request: {e}", Code.INVALID_REQUEST) from None
+    except msgspec.DecodeError as e:
+        raise CorralError(f"malformed JSON: {e}", Code.INVALID_REQUEST) from None
+
+
+Handler = Callable[[Msg], Awaitable[bytes | None]]
+
+
+class Responder:
+    """Serves request/reply subjects for one service.
+
+    Each request runs in its own task (a slow exec must not hold up the next request), errors are
+    turned into contract error replies, and every outcome is counted in Prometheus.
+    """
+
+    def __init__(self, nc: NATS, service: str):
+        self.nc = nc
+        self.service = service
+        self.tasks: set[asyncio.Task] = set()
+        self.subs: dict[str, Any] = {}
+
+    async def serve(self, subject: str, handler: Handler, op: str, queue: str = "", key: str | None = None) -> None:
+        async def on_msg(msg: Msg) -> None:
+            t = asyncio.create_task(self._handle(msg, handler, op))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
+        self.subs[key or subject] = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def unserve(self, key: str) -> None:
+        sub = self.subs.pop(key, None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _handle(self, msg: Msg, handler: Handler, op: str) -> None:
+        t0 = time.perf_counter()
+        code = "ok"
+        try:
+            reply = await handler(msg)
+        except CorralError as e:
+            code = e.code.value
+            reply = messages.error(e.code.value, e.message, e.retry_after_s)
+        except asyncio.CancelledError:
+            code = Code.UNAVAILABLE.value
+            reply = messages.error(code, f"{self.service} is shutting down; retry")
+        except Exception as e:  # a bug: answer, log, keep serving
+            code = Code.INTERNAL.value
+            log.exception("handler failed", extra={"fields": {"op": op, "subject": msg.subject}})
+            reply = messages.error(code, f"internal error in {self.service} ({type(e).__name__}: {e})")
+        metrics.REQUESTS.labels(self.service, op, code).inc()
+        metrics.REQUEST_SECONDS.labels(self.service, op).observe(time.perf_counter() - t0)
+        if reply is not None and msg.reply:
+            try:
+                await self.nc.publish(msg.reply, reply)
+            except Exception:
+                log.warning("could not publish reply", extra={"fields": {"op": op}})
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        for key in list(self.subs):
+            await self.unserve(key)
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout)

@@ -1,0 +1,193 @@
+"""msgspec Structs for the whole v1 bus contract, plus the node-internal messages.
+
+Requests forbid unknown fields so that a typo (`memroy_mb`) is an `invalid_request` naming the
+field instead of a silently ignored setting.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+SUBSTRATES = ("container", "function", "docker", "microvm", "vm")
+Substrate = Literal["container", "function", "docker", "microvm", "vm"]
+SandboxState = Literal["creating", "running", "paused", "exited", "destroyed", "failed"]
+
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+LabelMap = Annotated[dict[str, str], Meta(max_length=64)]
+EnvMap = Annotated[dict[str, str], Meta(max_length=1024)]
+
+
+class Request(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class SandboxSpec(Request, kw_only=True):
+    image: Name = "busybox"
+    substrate: Substrate = "container"
+    cpu: Annotated[float, Meta(gt=0, le=256)] = 1.0
+    memory_mb: Annotated[int, Meta(ge=16, le=1_048_576)] = 512
+    disk_mb: Annotated[int, Meta(ge=1, le=1_048_576)] = 1024
+    ttl_s: Annotated[float, Meta(gt=0, le=7 * 86400)] = 3600.0
+    network: Literal["none"] = "none"
+    env: EnvMap = {}
+    labels: LabelMap = {}
+    job: Annotated[str, Meta(max_length=128)] = ""
+    workdir: Annotated[str, Meta(max_length=4096)] = "/"
+    protected_paths: Annotated[list[str], Meta(max_length=256)] = []
+    request_id: Annotated[str, Meta(max_length=256)] = ""
+    pids_max: Annotated[int, Meta(ge=8, le=65536)] = 1024
+
+
+class SandboxInfo(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    node: str
+    state: SandboxState
+    substrate: Substrate
+    image: str
+    created_at: float
+    expires_at: float
+    job: str = ""
+    labels: dict[str, str] = {}
+    cpu: float = 0.0
+    memory_mb: int = 0
+    request_id: str = ""
+
+
+class CreateBatchRequest(Request, kw_only=True):
+    spec: SandboxSpec
+    count: Annotated[int, Meta(ge=1, le=100_000)]
+
+
+class ListRequest(Request, kw_only=True):
+    job: str | None = None
+    labels: dict[str, str] | None = None
+    node: str | None = None
+
+
+class ExecRequest(Request, kw_only=True):
+    cmd: str | Annotated[list[str], Meta(min_length=1)]
+    stdin: str = ""
+    env: EnvMap = {}
+    cwd: str | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=86400)] = 60.0
+    session: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
+    stream: bool = False
+    max_output_bytes: Annotated[int, Meta(ge=0, le=64 * 1024 * 1024)] = 1024 * 1024
+    trajectory: str = ""
+    step: Annotated[int, Meta(ge=0)] | None = None
+
+
+class ExecResult(Struct, kw_only=True):
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    duration_ms: float = 0.0
+    timed_out: bool = False
+    truncated: bool = False
+    replayed: bool = False
+    oom_killed: bool = False
+    signal: int | None = None
+
+
+class ExecChunk(Struct, kw_only=True, tag="chunk", tag_field="kind"):
+    """One piece of streamed output, sent to the reply inbox before the final reply."""
+
+    stream: Literal["stdout", "stderr"]
+    data: str
+    seq: int
+
+
+class FileReadRequest(Request, kw_only=True):
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    max_bytes: Annotated[int, Meta(ge=0, le=64 * 1024 * 1024)] = 16 * 1024 * 1024
+
+
+class FileWriteRequest(Request, kw_only=True):
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    content_b64: str
+    mode: Annotated[int, Meta(ge=0, le=0o7777)] = 0o644
+    make_parents: bool = True
+
+
+class FileContent(Struct, kw_only=True):
+    path: str
+    content_b64: str
+    size: int
+    mode: int
+
+
+class Empty(Request):
+    pass
+
+
+class ErrorBody(Struct, kw_only=True, omit_defaults=True):
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+# ----- node-internal messages (scheduler <-> node-agent) -----
+
+
+class NodeCapacity(Struct, kw_only=True):
+    cpu: float
+    memory_mb: int
+    sandboxes: int
+
+
+class NodeUsage(Struct, kw_only=True):
+    cpu: float = 0.0
+    memory_mb: int = 0
+    sandboxes: int = 0
+    requested_cpu: float = 0.0
+    requested_memory_mb: int = 0
+
+
+class Heartbeat(Struct, kw_only=True):
+    node: str
+    ts: float
+    capacity: NodeCapacity
+    usage: NodeUsage
+    substrates: list[str] = []
+    images: list[str] = []
+    version: str = ""
+    metrics_url: str = ""
+    stopping: bool = False
+
+
+class NodeCreate(Struct, kw_only=True):
+    sandbox_id: str
+    spec: SandboxSpec
+
+
+class Event(Struct, kw_only=True, omit_defaults=True):
+    kind: str
+    ts: float
+    sandbox_id: str = ""
+    node: str = ""
+    job: str = ""
+    reason: str = ""
+    info: SandboxInfo | None = None
+    detail: dict[str, Any] = {}
+
+
+encoder = msgspec.json.Encoder()
+
+
+def ok(**fields: Any) -> bytes:
+    """Encode a success reply: `{"ok": true, **fields}`."""
+    return encoder.encode({"ok": True, **fields})
+
+
+def error(code: str, message: str, retry_after_s: float | None = None) -> bytes:
+    return encoder.encode({"ok": False, "error": ErrorBody(code=code, message=message, retry_after_s=retry_after_s)})
+
+
+def new_id(prefix: str = "sb") -> str:
+    import secrets
+
+    return f"{prefix}-{secrets.token_hex(6)}"
+
+

@@ -1,0 +1,37 @@
+"""Prometheus helpers: every service serves the standard exposition format on /metrics."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+REQUESTS = Counter(
+    "corral_requests_total", "Bus requests handled", ["service", "op", "code"], registry=REGISTRY
+)
+REQUEST_SECONDS = Histogram(
+    "corral_request_seconds",
+    "Time to answer a bus request",
+    ["service", "op"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
+UP = Gauge("corral_service_up", "1 while the service is serving", ["service"], registry=REGISTRY)
+
+
+def serve(host: str, port: int) -> str:
+    """Start the /metrics HTTP endpoint; port 0 picks a free port. Returns the URL."""
+    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return f"http://{host}:{server.server_port}/metrics"
+
+
+def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(name, doc, list(labels), registry=REGISTRY)
+
+
+def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return Gauge(name, doc, list(labels), registry=REGISTRY)
+
+
+def histogram(name: str, doc: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] | None = None) -> Histogram:
+    kw = {"buckets": buckets} if buckets else {}
+    return Histogram(name, doc, list(labels), registry=REGISTRY, **kw)

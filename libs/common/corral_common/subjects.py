@@ -1,0 +1,60 @@
+"""Every NATS subject, stream and bucket name of corral, in one place."""
+from __future__ import annotations
+
+PREFIX = "corral.v1"
+
+SANDBOX_CREATE = f"{PREFIX}.sandbox.create"
+SANDBOX_CREATE_BATCH = f"{PREFIX}.sandbox.create_batch"
+SANDBOX_LIST = f"{PREFIX}.sandbox.list"
+
+SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume")
+
+
+def sandbox_op(sandbox_id: str, op: str) -> str:
+    return f"{PREFIX}.sandbox.{sandbox_id}.{op}"
+
+
+def sandbox_all(sandbox_id: str) -> str:
+    return f"{PREFIX}.sandbox.{sandbox_id}.>"
+
+
+# node-internal subjects: the scheduler asks a chosen node to create a sandbox
+def node_create(node: str) -> str:
+    return f"corral.node.{node}.create"
+
+
+def node_ping(node: str) -> str:
+    return f"corral.node.{node}.ping"
+
+
+NODE_HEARTBEAT = "corral.node.heartbeat"
+
+
+def event(sandbox_id: str, kind: str) -> str:
+    return f"corral.events.sandbox.{sandbox_id}.{kind}"
+
+
+def node_event(node: str, kind: str) -> str:
+    return f"corral.events.node.{node}.{kind}"
+
+
+def audit(node: str, sandbox_id: str) -> str:
+    return f"corral.audit.{node}.{sandbox_id}"
+
+
+def alert(severity: str, rule: str) -> str:
+    return f"corral.alerts.{severity}.{rule}"
+
+
+STREAMS: dict[str, list[str]] = {
+    "CORRAL_EVENTS": ["corral.events.>"],
+    "CORRAL_AUDIT": ["corral.audit.>"],
+    "CORRAL_ALERTS": ["corral.alerts.>"],
+    "CORRAL_TRAJ": ["corral.traj.>"],
+}
+
+KV_NODES = "corral_nodes"
+KV_PLACEMENTS = "corral_placements"
+KV_REQUESTS = "corral_requests"
+
+SCHEDULER_QUEUE = "corral-scheduler"

@@ -1,0 +1,18 @@
+"""corral SDK: sandboxes for agents, over the NATS bus.
+
+    async with await AsyncClient.connect() as client:
+        async with await client.create(image="debian") as sb:
+            r = await sb.exec("python3 -c 'print(6*7)'")
+"""
+from corral_common.errors import (
+    Capacity, Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Timeout, Unavailable,
+)
+from corral_common.messages import ExecChunk, ExecResult, SandboxInfo, SandboxSpec
+
+from .client import AsyncClient, AsyncSandbox
+from .sync import Client, Sandbox
+
+__all__ = [
+    "AsyncClient", "AsyncSandbox", "Client", "Sandbox", "ExecResult", "ExecChunk", "SandboxInfo", "SandboxSpec",
+    "CorralError", "InvalidRequest", "NotFound", "Capacity", "Timeout", "Conflict", "Forbidden", "Unavailable", "Internal",
+]

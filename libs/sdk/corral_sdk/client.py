@@ -1,0 +1,212 @@
+"""The asyncio client. Every call is one NATS request on a v1 subject; replies are decoded into
+the contract's Structs and error replies become typed exceptions."""
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from corral_common import config, subjects
+from corral_common.errors import NotFound, Timeout, Unavailable, from_code
+from corral_common.messages import (
+    CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder,
+)
+
+
+class _Error(msgspec.Struct):
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+class _Reply(msgspec.Struct):
+    ok: bool
+    error: _Error | None = None
+    sandbox: SandboxInfo | None = None
+    sandboxes: list[SandboxInfo] | None = None
+    failed: list[dict[str, Any]] | None = None
+    result: ExecResult | None = None
+    file: FileContent | None = None
+    usage: dict[str, Any] | None = None
+
+
+def _check(data: bytes) -> _Reply:
+    r = msgspec.json.decode(data, type=_Reply)
+    if not r.ok:
+        e = r.error or _Error(code="internal", message="error reply without details")
+        raise from_code(e.code, e.message, e.retry_after_s)
+    return r
+
+
+class AsyncClient:
+    def __init__(self, nc: NATS, own: bool):
+        self.nc = nc
+        self._own = own
+
+    @classmethod
+    async def connect(cls, url: str | None = None, nc: NATS | None = None) -> AsyncClient:
+        if nc is not None:
+            return cls(nc, own=False)
+        url = config.nats_url(url)
+        try:
+            conn = await nats.connect(url, name="corral-sdk", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                                      connect_timeout=5, allow_reconnect=True)
+        except Exception as e:
+            raise Unavailable(f"cannot connect to NATS at {url}: {e}") from None
+        return cls(conn, own=True)
+
+    async def close(self) -> None:
+        if self._own:
+            await self.nc.drain()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(self, subject: str, payload: bytes, timeout: float, sandbox_id: str | None = None) -> _Reply:
+        try:
+            msg = await self.nc.request(subject, payload, timeout=timeout)
+        except NoRespondersError:
+            if sandbox_id:
+                raise NotFound(f"no node owns sandbox {sandbox_id!r}: it was destroyed, expired, or never existed") from None
+            raise Unavailable(f"nobody serves {subject}: is the corral stack running?") from None
+        except NatsTimeout:
+            raise Timeout(f"no reply on {subject} within {timeout:g}s") from None
+        return _check(msg.data)
+
+    # ---------------------------------------------------------------- sandboxes
+
+    async def create(self, image: str = "busybox", substrate: str = "container", *, timeout: float = 60.0, **kw: Any) -> AsyncSandbox:
+        spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
+        r = await self.request(subjects.SANDBOX_CREATE, encoder.encode(spec), timeout)
+        assert r.sandbox is not None
+        return AsyncSandbox(self, r.sandbox)
+
+    async def create_batch(self, count: int, image: str = "busybox", substrate: str = "container", *, timeout: float = 300.0, **kw: Any) -> list[AsyncSandbox]:
+        spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
+        r = await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(CreateBatchRequest(spec=spec, count=count)), timeout)
+        return [AsyncSandbox(self, i) for i in r.sandboxes or []]
+
+    async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        r = await self.request(subjects.SANDBOX_LIST, encoder.encode(ListRequest(job=job, labels=labels)), 10.0)
+        return r.sandboxes or []
+
+    def sandbox(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle on an existing sandbox (e.g. one created by another process)."""
+        now = 0.0
+        return AsyncSandbox(self, SandboxInfo(id=sandbox_id, node="", state="running", substrate="container", image="", created_at=now, expires_at=now))
+
+
+class AsyncFiles:
+    def __init__(self, sb: AsyncSandbox):
+        self._sb = sb
+
+    async def read(self, path: str, max_bytes: int = 16 * 1024 * 1024) -> bytes:
+        r = await self._sb._call("files.read", {"path": path, "max_bytes": max_bytes})
+        assert r.file is not None
+        return base64.b64decode(r.file.content_b64)
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def write(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
+        data = content.encode() if isinstance(content, str) else content
+        await self._sb._call("files.write", {"path": path, "content_b64": base64.b64encode(data).decode(), "mode": mode})
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncClient, info: SandboxInfo):
+        self.client = client
+        self.info = info
+        self.files = AsyncFiles(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @classmethod
+    async def create(cls, image: str = "busybox", substrate: str = "container", *, nats_url: str | None = None, **kw: Any) -> AsyncSandbox:
+        """Create a sandbox with its own connection (closed on destroy)."""
+        client = await AsyncClient.connect(nats_url)
+        try:
+            sb = await client.create(image=image, substrate=substrate, **kw)
+        except BaseException:
+            await client.close()
+            raise
+        sb._owns_client = True
+        return sb
+
+    _owns_client = False
+
+    async def _call(self, op: str, body: dict[str, Any] | msgspec.Struct, timeout: float = 30.0) -> _Reply:
+        return await self.client.request(subjects.sandbox_op(self.id, op), encoder.encode(body), timeout, sandbox_id=self.id)
+
+    async def exec(self, cmd: str | list[str], *, stdin: str = "", env: dict[str, str] | None = None, cwd: str | None = None,
+                   timeout_s: float = 60.0, session: str = "", max_output_bytes: int = 1024 * 1024,
+                   trajectory: str = "", step: int | None = None) -> ExecResult:
+        req = ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s, session=session,
+                          max_output_bytes=max_output_bytes, trajectory=trajectory, step=step)
+        r = await self._call("exec", req, timeout=timeout_s + 15)
+        assert r.result is not None
+        return r.result
+
+    async def exec_stream(self, cmd: str | list[str], *, timeout_s: float = 600.0, **kw: Any) -> AsyncIterator[ExecChunk | ExecResult]:
+        """Yield ExecChunk as output is produced, then the final ExecResult."""
+        req = ExecRequest(cmd=cmd, timeout_s=timeout_s, stream=True, **kw)
+        nc = self.client.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            await nc.publish(subjects.sandbox_op(self.id, "exec"), encoder.encode(req), reply=inbox)
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout_s + 15)
+                except NatsTimeout:
+                    raise Timeout(f"exec on {self.id} sent nothing for {timeout_s + 15:g}s") from None
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise NotFound(f"no node owns sandbox {self.id!r}")
+                if msg.data.startswith(b'{"kind":"chunk"'):
+                    yield msgspec.json.decode(msg.data, type=ExecChunk)
+                    continue
+                r = _check(msg.data)
+                assert r.result is not None
+                yield r.result
+                return
+        finally:
+            await sub.unsubscribe()
+
+    async def refresh(self) -> SandboxInfo:
+        r = await self._call("info", {})
+        assert r.sandbox is not None
+        self.info = r.sandbox
+        return self.info
+
+    async def pause(self) -> None:
+        await self._call("pause", {})
+
+    async def resume(self) -> None:
+        await self._call("resume", {})
+
+    async def destroy(self) -> None:
+        try:
+            await self._call("destroy", {}, timeout=60)
+        finally:
+            if self._owns_client:
+                await self.client.close()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.destroy()
+        except NotFound:
+            pass

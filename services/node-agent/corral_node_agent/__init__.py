@@ -1,0 +1,1 @@
+"""corral node-agent: runs sandboxes on one node behind the substrate interface."""

@@ -1,0 +1,59 @@
+"""`python -m corral_node_agent`: run one node-agent (the CLI's `corral node-agent` execs this)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+
+import typer
+
+from corral_common import config, logs
+
+from .agent import AgentConfig, NodeAgent
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
+    node: str = typer.Option(None, help="node id (default $CORRAL_NODE or the host name)"),
+    state_dir: str = typer.Option(None, help="state directory (default $CORRAL_STATE_DIR or /var/lib/corral)"),
+    image_dir: str = typer.Option(None, help="image directory (default <state-dir>/images)"),
+    substrate: list[str] = typer.Option(["container"], help="substrates to enable"),
+    cpu: float = typer.Option(0.0, help="schedulable CPU (0: cores x --cpu-overcommit)"),
+    cpu_overcommit: float = typer.Option(config.env_float("CORRAL_CPU_OVERCOMMIT", 8.0)),
+    memory_mb: int = typer.Option(0, help="schedulable memory in MiB (0: 90% of RAM)"),
+    max_sandboxes: int = typer.Option(4096),
+    heartbeat_s: float = typer.Option(1.0),
+    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
+    keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
+    preload: list[str] = typer.Option(["busybox"], help="images to make sure of at start"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
+    node = re.sub(r"[^a-z0-9-]", "-", node.lower())
+    sdir = config.state_dir(state_dir)
+    logs.setup("node-agent", log_level, node=node)
+    cfg = AgentConfig(
+        nats_url=config.nats_url(nats), node=node, state_dir=sdir, image_dir=image_dir or os.environ.get("CORRAL_IMAGE_DIR") or f"{sdir}/images",
+        substrates=substrate, cpu=cpu, cpu_overcommit=cpu_overcommit, memory_mb=memory_mb, max_sandboxes=max_sandboxes,
+        heartbeat_s=heartbeat_s, metrics_host=metrics_host, metrics_port=metrics_port,
+        keep_sandboxes_on_exit=keep_sandboxes_on_exit, preload_images=preload,
+    )
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        await NodeAgent(cfg).run(stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,390 @@
+"""The node-agent service: owns the sandboxes of one node.
+
+It answers the scheduler's `corral.node.<node>.create`, then subscribes
+`corral.v1.sandbox.<id>.>` for each sandbox it created, so every later call reaches it directly.
+It publishes lifecycle events, heartbeats with capacity and actual use, expires sandboxes whose
+lease ran out, and on start adopts or cleans what a crashed predecessor left behind."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import logging
+import os
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+
+from corral_common import bus, logs, metrics, subjects
+from corral_common.errors import Capacity, CorralError, InvalidRequest, NotFound, Unavailable
+from corral_common.messages import (
+    Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
+    NodeCapacity, NodeCreate, NodeUsage, SandboxInfo, encoder, ok,
+)
+
+from .images import ImageStore
+from .substrates import REGISTRY, Substrate
+from .substrates.base import Sandbox
+
+log = logging.getLogger("corral.node")
+
+SANDBOXES = metrics.gauge("corral_sandboxes", "Live sandboxes on this node", ("node", "substrate"))
+CREATE_SECONDS = metrics.histogram(
+    "corral_sandbox_create_seconds", "Time to create a sandbox on the node", ("node", "substrate"),
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+EXEC_SECONDS = metrics.histogram(
+    "corral_exec_seconds", "Exec duration as seen by the node", ("node", "substrate"),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30, 300),
+)
+DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to destroy a sandbox", ("node", "substrate"))
+EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
+
+
+class AgentConfig(msgspec.Struct, kw_only=True):
+    nats_url: str
+    node: str
+    state_dir: str
+    image_dir: str
+    substrates: list[str] = msgspec.field(default_factory=lambda: ["container"])
+    cpu: float = 0.0  # 0: cores x cpu_overcommit
+    cpu_overcommit: float = 8.0
+    memory_mb: int = 0  # 0: 90% of MemTotal
+    max_sandboxes: int = 4096
+    heartbeat_s: float = 1.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    keep_sandboxes_on_exit: bool = False
+    preload_images: list[str] = msgspec.field(default_factory=lambda: ["busybox"])
+
+
+def _mem_total_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 1024
+
+
+class NodeAgent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.node = cfg.node
+        self.state_dir = f"{cfg.state_dir}/nodes/{cfg.node}"
+        self.images = ImageStore(cfg.image_dir)
+        self.substrates: dict[str, Substrate] = {}
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.substrate_of: dict[str, Substrate] = {}
+        self.destroying: set[str] = set()
+        self.capacity = NodeCapacity(
+            cpu=cfg.cpu or (os.cpu_count() or 1) * cfg.cpu_overcommit,
+            memory_mb=cfg.memory_mb or int(_mem_total_mb() * 0.9),
+            sandboxes=cfg.max_sandboxes,
+        )
+        self.last_cpu: dict[str, int] = {}
+        self.observed_cpu = 0.0
+        self.observed_mem_mb = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.metrics_url = ""
+        self.accepting = True
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        os.makedirs(self.state_dir, exist_ok=True)
+        for name in self.cfg.substrates:
+            cls = REGISTRY.get(name)
+            if cls is None:
+                raise SystemExit(f"unknown substrate {name!r}; known: {', '.join(REGISTRY)}")
+            sub = cls(self.node, self.state_dir, self.images)  # type: ignore[call-arg]
+            await sub.start()
+            self.substrates[name] = sub
+        for image in self.cfg.preload_images:
+            await asyncio.to_thread(self.images.ensure, image)
+        self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        self.nc = await bus.connect(self.cfg.nats_url, name=f"corral-node-agent-{self.node}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js)
+        self.placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
+        self.responder = bus.Responder(self.nc, "node-agent")
+        await self._reconcile()
+        await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
+        await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")
+        metrics.UP.labels("node-agent").set(1)
+        self._spawn(self._heartbeat_loop())
+        self._spawn(self._reaper_loop())
+        logs.kv(log, logging.INFO, "node-agent ready", node=self.node, metrics=self.metrics_url,
+                substrates=list(self.substrates), capacity=msgspec.to_builtins(self.capacity))
+        await stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        self.accepting = False
+        await self.responder.unserve(subjects.node_create(self.node))
+        await self._publish_heartbeat(stopping=True)
+        if not self.cfg.keep_sandboxes_on_exit:
+            await asyncio.gather(*(self.destroy(sid, "node-agent shutdown") for sid in list(self.sandboxes)), return_exceptions=True)
+        await self.responder.drain(timeout=5)
+        for t in list(self.tasks):
+            t.cancel()
+        for sub in self.substrates.values():
+            await sub.close()
+        try:
+            await self.nc.drain()
+        except Exception:
+            pass
+        metrics.UP.labels("node-agent").set(0)
+        logs.kv(log, logging.INFO, "node-agent stopped", node=self.node, kept=len(self.sandboxes))
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def _reconcile(self) -> None:
+        for name, sub in self.substrates.items():
+            adopted, report = await sub.reconcile()
+            for sb in adopted:
+                await self._register(sb, sub)
+                await self._event(sb, "ready", reason="adopted after node-agent restart")
+            for sid in report.cleaned:
+                try:
+                    await self.placements.delete(sid)
+                except Exception:
+                    pass
+                await self._publish_event(Event(kind="destroyed", ts=time.time(), sandbox_id=sid, node=self.node,
+                                                reason="cleaned up after node-agent restart"))
+            if report.adopted or report.cleaned:
+                await self.nc.publish(subjects.node_event(self.node, "reconciled"), encoder.encode(
+                    {"node": self.node, "substrate": name, "adopted": report.adopted, "cleaned": report.cleaned, "notes": report.notes}))
+                logs.kv(log, logging.WARNING, "reconciled leftovers", substrate=name,
+                        adopted=report.adopted, cleaned=report.cleaned, notes=report.notes)
+
+    # ------------------------------------------------------------------ create
+
+    async def _on_ping(self, msg: Msg) -> bytes:
+        return ok(node=self.node, sandboxes=len(self.sandboxes))
+
+    def _requested(self) -> tuple[float, int]:
+        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values())
+        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values())
+        return cpu, mem
+
+    async def _on_create(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, NodeCreate)
+        spec = req.spec
+        if not self.accepting:
+            raise Unavailable(f"node {self.node} is shutting down", retry_after_s=1)
+        sub = self.substrates.get(spec.substrate)
+        if sub is None:
+            raise InvalidRequest(f"substrate {spec.substrate!r} is not available on node {self.node}; available: {', '.join(self.substrates)}")
+        cpu, mem = self._requested()
+        if len(self.sandboxes) >= self.capacity.sandboxes or cpu + spec.cpu > self.capacity.cpu or mem + spec.memory_mb > self.capacity.memory_mb:
+            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes, {cpu:g}/{self.capacity.cpu:g} cpu, "
+                           f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
+        if req.sandbox_id in self.sandboxes:
+            return ok(sandbox=self.sandboxes[req.sandbox_id].info)
+        self.images.path(spec.image)  # NotFound with the list of images, before any work
+        now = time.time()
+        info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
+                           created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
+                           cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
+        t0 = time.perf_counter()
+        try:
+            sb = await sub.create(info, spec)
+        except CorralError:
+            await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job, reason="create failed"))
+            raise
+        sb.info.state = "running"
+        await self._register(sb, sub)
+        CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
+        await self._event(sb, "created")
+        await self._event(sb, "ready")
+        return ok(sandbox=sb.info)
+
+    async def _register(self, sb: Sandbox, sub: Substrate) -> None:
+        self.sandboxes[sb.id] = sb
+        self.substrate_of[sb.id] = sub
+        await self.placements.put(sb.id, encoder.encode(sb.info))
+        await self.responder.serve(subjects.sandbox_all(sb.id), self._sandbox_handler(sb.id), "sandbox", key=sb.id)
+        SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
+
+    # ------------------------------------------------------------------ per-sandbox ops
+
+    def _sandbox_handler(self, sid: str):
+        prefix = f"{subjects.PREFIX}.sandbox.{sid}."
+
+        async def handle(msg: Msg) -> bytes | None:
+            op = msg.subject[len(prefix):]
+            sb = self.sandboxes.get(sid)
+            if sb is None or sid in self.destroying:
+                raise NotFound(f"sandbox {sid} is being destroyed or no longer exists")
+            sub = self.substrate_of[sid]
+            if op == "exec":
+                return await self._exec(msg, sb, sub)
+            if op == "info":
+                bus.decode(msg.data, _Empty)
+                u = await sub.usage(sb)
+                return ok(sandbox=sb.info, usage=u)
+            if op == "files.read":
+                r = bus.decode(msg.data, FileReadRequest)
+                data, mode = await sub.read_file(sb, r.path, r.max_bytes)
+                return ok(file=FileContent(path=r.path, content_b64=base64.b64encode(data).decode(), size=len(data), mode=mode))
+            if op == "files.write":
+                w = bus.decode(msg.data, FileWriteRequest)
+                try:
+                    data = base64.b64decode(w.content_b64, validate=True)
+                except ValueError:
+                    raise InvalidRequest("content_b64 is not valid base64") from None
+                await sub.write_file(sb, w.path, data, w.mode, w.make_parents)
+                return ok(path=w.path, size=len(data))
+            if op == "destroy":
+                bus.decode(msg.data, _Empty)
+                await self.destroy(sid, "destroyed by request")
+                return ok(sandbox_id=sid)
+            if op == "pause":
+                await sub.pause(sb)
+                sb.info.state = "paused"
+                await self.placements.put(sid, encoder.encode(sb.info))
+                return ok(sandbox=sb.info)
+            if op == "resume":
+                await sub.resume(sb)
+                sb.info.state = "running"
+                await self.placements.put(sid, encoder.encode(sb.info))
+                return ok(sandbox=sb.info)
+            if op == "snapshot":
+                raise Unavailable("snapshots arrive with the image-cache and trajectory work (issues 3 and 5)")
+            raise InvalidRequest(f"unknown sandbox operation {op!r}; known: {', '.join(subjects.SANDBOX_OPS)}")
+
+        return handle
+
+    async def _exec(self, msg: Msg, sb: Sandbox, sub: Substrate) -> bytes:
+        req = bus.decode(msg.data, ExecRequest)
+        if isinstance(req.cmd, str) and not req.cmd.strip():
+            raise InvalidRequest("cmd is empty")
+        on_chunk = None
+        pump = None
+        queue: asyncio.Queue | None = None
+        if req.stream and msg.reply:
+            queue = asyncio.Queue()
+            decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+                        "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+            seq = iter(range(1 << 62))
+
+            def on_chunk(stream: str, data: bytes) -> None:
+                text = decoders[stream].decode(data)
+                if text:
+                    queue.put_nowait(ExecChunk(stream=stream, data=text, seq=next(seq)))  # type: ignore[arg-type]
+
+            async def pump_chunks() -> None:
+                while (item := await queue.get()) is not None:
+                    await self.nc.publish(msg.reply, encoder.encode(item))
+
+            pump = asyncio.create_task(pump_chunks())
+        t0 = time.perf_counter()
+        try:
+            result = await sub.exec(sb, req, on_chunk)
+        finally:
+            if pump is not None and queue is not None:
+                queue.put_nowait(None)
+                await pump
+        EXEC_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
+        return ok(result=result)
+
+    async def destroy(self, sid: str, reason: str) -> None:
+        sb = self.sandboxes.get(sid)
+        if sb is None or sid in self.destroying:
+            return
+        self.destroying.add(sid)
+        sub = self.substrate_of[sid]
+        t0 = time.perf_counter()
+        try:
+            await self.responder.unserve(sid)
+            await sub.destroy(sb)
+        finally:
+            self.sandboxes.pop(sid, None)
+            self.substrate_of.pop(sid, None)
+            self.destroying.discard(sid)
+            self.last_cpu.pop(sid, None)
+        DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
+        SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
+        sb.info.state = "destroyed"
+        try:
+            await self.placements.delete(sid)
+        except Exception:
+            pass
+        await self._event(sb, "destroyed", reason=reason)
+
+    # ------------------------------------------------------------------ events, heartbeats, expiry
+
+    async def _event(self, sb: Sandbox, kind: str, reason: str = "") -> None:
+        await self._publish_event(Event(kind=kind, ts=time.time(), sandbox_id=sb.id, node=self.node, job=sb.info.job,
+                                        reason=reason, info=sb.info))
+
+    async def _publish_event(self, ev: Event) -> None:
+        EVENTS.labels(self.node, ev.kind).inc()
+        try:
+            await self.nc.publish(subjects.event(ev.sandbox_id, ev.kind), encoder.encode(ev))
+        except Exception:
+            log.warning("could not publish event", extra={"fields": {"kind": ev.kind, "sandbox": ev.sandbox_id}})
+
+    async def _collect_usage(self) -> None:
+        cpu_ns_delta = 0
+        mem = 0
+        for sid, sb in list(self.sandboxes.items()):
+            sub = self.substrate_of.get(sid)
+            if sub is None:
+                continue
+            try:
+                u = await sub.usage(sb)
+            except Exception:
+                continue
+            prev = self.last_cpu.get(sid)
+            if prev is not None and u.cpu_ns >= prev:
+                cpu_ns_delta += u.cpu_ns - prev
+            self.last_cpu[sid] = u.cpu_ns
+            mem += u.memory_bytes
+        self.observed_cpu = cpu_ns_delta / 1e9 / self.cfg.heartbeat_s
+        self.observed_mem_mb = mem // (1024 * 1024)
+
+    async def _publish_heartbeat(self, stopping: bool = False) -> None:
+        cpu, mem = self._requested()
+        hb = Heartbeat(
+            node=self.node, ts=time.time(), capacity=self.capacity,
+            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=len(self.sandboxes),
+                            requested_cpu=cpu, requested_memory_mb=mem),
+            substrates=list(self.substrates), images=self.images.list(), metrics_url=self.metrics_url, stopping=stopping,
+        )
+        try:
+            await self.nc.publish(subjects.NODE_HEARTBEAT, encoder.encode(hb))
+            await self.nc.flush(timeout=2)
+        except Exception:
+            log.warning("heartbeat not sent")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._collect_usage()
+            except Exception:
+                log.exception("usage collection failed")
+            await self._publish_heartbeat()
+            await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _reaper_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.time()
+            for sid, sb in list(self.sandboxes.items()):
+                if sb.info.expires_at <= now and sid not in self.destroying:
+                    self._spawn(self._safe_destroy(sid, "ttl expired"))
+
+    async def _safe_destroy(self, sid: str, reason: str) -> None:
+        try:
+            await self.destroy(sid, reason)
+        except Exception:
+            log.exception("destroy failed", extra={"fields": {"sandbox": sid}})
+
+
+class _Empty(msgspec.Struct, forbid_unknown_fields=False):
+    pass

@@ -1,0 +1,190 @@
+"""cgroup plumbing the node-agent does itself (runc owns the container's own cgroup):
+per-exec child cgroups so a timed-out exec's processes can be frozen and killed exactly, usage
+stats for heartbeats, and sweeping cgroups that a crashed agent left behind.
+
+Supports cgroup v1 (this machine: hybrid with no v2 controllers) and v2 (unified)."""
+from __future__ import annotations
+
+import os
+import time
+
+ROOT = "/sys/fs/cgroup"
+
+
+def is_v2() -> bool:
+    return os.path.exists(f"{ROOT}/cgroup.controllers")
+
+
+# v1 hierarchies used for exec tracking: pids (counting, limit inherited) and freezer (atomic kill)
+V1_EXEC_HIERARCHIES = ("pids", "freezer")
+V1_ALL = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd", "net_cls", "net_prio", "perf_event", "hugetlb", "rdma", "misc")
+
+
+class Cgroups:
+    """Paths of one sandbox's cgroup (`rel` is runc's cgroupsPath, e.g. `/corral/node-1/sb-...`)."""
+
+    def __init__(self, rel: str):
+        self.rel = rel.strip("/")
+        self.v2 = is_v2()
+
+    def path(self, hierarchy: str, sub: str = "") -> str:
+        base = f"{ROOT}/{self.rel}" if self.v2 else f"{ROOT}/{hierarchy}/{self.rel}"
+        return f"{base}/{sub}" if sub else base
+
+    # ---- per-exec groups ----
+
+    def exec_group_dirs(self, name: str) -> list[str]:
+        if self.v2:
+            return [self.path("", name)]
+        return [self.path(h, name) for h in V1_EXEC_HIERARCHIES if os.path.isdir(f"{ROOT}/{h}")]
+
+    def make_exec_group(self, name: str) -> list[int]:
+        """Create the exec's cgroups and return write fds on their cgroup.procs; the exec'd child
+        writes "0" to each to move itself in before it runs anything."""
+        fds = []
+        try:
+            for d in self.exec_group_dirs(name):
+                os.makedirs(d, exist_ok=True)
+                fds.append(os.open(f"{d}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def kill_group(self, name: str, timeout: float = 5.0) -> int:
+        """Freeze, SIGKILL every process in the exec group, thaw; returns how many were killed."""
+        return kill_dirs(self.exec_group_dirs(name), self.v2, timeout)
+
+    def remove_group(self, name: str) -> bool:
+        ok = True
+        for d in self.exec_group_dirs(name):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                ok = False
+        return ok
+
+    def exec_groups(self) -> list[str]:
+        d = self.path("" if self.v2 else "pids")
+        try:
+            return [n for n in os.listdir(d) if os.path.isdir(f"{d}/{n}")]
+        except FileNotFoundError:
+            return []
+
+    # ---- stats ----
+
+    def memory_bytes(self) -> int:
+        f = self.path("memory", "memory.current" if self.v2 else "memory.usage_in_bytes")
+        return _read_int(f)
+
+    def cpu_usage_ns(self) -> int:
+        if self.v2:
+            for line in _read(self.path("", "cpu.stat")).splitlines():
+                if line.startswith("usage_usec"):
+                    return int(line.split()[1]) * 1000
+            return 0
+        return _read_int(self.path("cpuacct", "cpuacct.usage"))
+
+    def oom_kills(self) -> int:
+        f = self.path("memory", "memory.events" if self.v2 else "memory.oom_control")
+        for line in _read(f).splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def pids_current(self) -> int:
+        return _read_int(self.path("pids", "pids.current"))
+
+    def wait_empty(self, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pids_current() == 0:
+                return True
+            time.sleep(0.002)
+        return False
+
+    def all_dirs(self) -> list[str]:
+        if self.v2:
+            return [self.path("")]
+        return [f"{ROOT}/{h}/{self.rel}" for h in V1_ALL if os.path.isdir(f"{ROOT}/{h}/{self.rel}")]
+
+    def destroy(self, timeout: float = 5.0) -> None:
+        """Kill whatever is left and remove every cgroup dir of this sandbox, children first."""
+        kill_dirs(self.all_dirs(), self.v2, timeout)
+        for top in self.all_dirs():
+            rmtree_cgroup(top)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError, OSError):
+        return ""
+
+
+def _read_int(path: str) -> int:
+    s = _read(path).strip()
+    try:
+        return int(s)
+    except ValueError:
+        return 0
+
+
+def procs_recursive(d: str) -> list[int]:
+    pids: list[int] = []
+    for dirpath, _dirs, _files in os.walk(d):
+        for line in _read(f"{dirpath}/cgroup.procs").split():
+            pids.append(int(line))
+    return pids
+
+
+def kill_dirs(dirs: list[str], v2: bool, timeout: float) -> int:
+    """Freeze (so nothing forks while we kill), SIGKILL all, thaw, wait until empty."""
+    freezer = [d for d in dirs if v2 or "/freezer/" in d]
+    for d in freezer:
+        _write(f"{d}/cgroup.freeze" if v2 else f"{d}/freezer.state", "1" if v2 else "FROZEN")
+    killed = 0
+    seen: set[int] = set()
+    for d in dirs:
+        for pid in procs_recursive(d):
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                os.kill(pid, 9)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    for d in freezer:
+        _write(f"{d}/cgroup.freeze" if v2 else f"{d}/freezer.state", "0" if v2 else "THAWED")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(procs_recursive(d) for d in dirs):
+        time.sleep(0.002)
+    return killed
+
+
+def _write(path: str, value: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError:
+        pass
+
+
+def rmtree_cgroup(top: str) -> None:
+    """cgroup dirs are removed with rmdir, bottom-up (rm -r does not work on cgroupfs)."""
+    if not os.path.isdir(top):
+        return
+    for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda t: len(t[0]), reverse=True):
+        for _ in range(50):
+            try:
+                os.rmdir(dirpath)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)

@@ -1,0 +1,194 @@
+/*
+ * corral-init: the resident helper that runs as PID 1 inside every container sandbox.
+ *
+ * Why it exists: entering a sandbox with `runc exec` costs ~25 ms per call, and entering its
+ * namespaces from the host (nsenter) would not inherit the sandbox's seccomp filter, capability
+ * drop and no_new_privs. A process forked by the sandbox's own init inherits all of them for free,
+ * so exec becomes one unix-socket round trip plus fork/exec.
+ *
+ * Protocol (the node-agent is the only peer; the listening socket is inherited as fd 3 from
+ * `runc run --preserve-fds 1` and its path lives on the host, outside the sandbox's mount namespace):
+ *   request:  u32 little-endian payload length, then the payload, with SCM_RIGHTS fds on the first
+ *             byte: [stdin, stdout, stderr, cgroup.procs fds...]. Payload is NUL-terminated tokens:
+ *             "1", argc, argv..., envc, env..., cwd, ncgroup.
+ *   replies:  u32 pid (as seen inside the sandbox) once the child is forked, or 0 on failure;
+ *             then i32 wait status when the child exits; then the connection is closed.
+ * The child moves itself into the per-exec cgroups by writing "0" to the cgroup.procs fds the
+ * node-agent opened on the host, so the node-agent can later freeze and kill exactly the processes
+ * this exec started, however they daemonise.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define LISTEN_FD 3
+#define MAX_FDS 16
+#define MAX_PAYLOAD (4 * 1024 * 1024)
+
+struct child { pid_t pid; int conn; };
+static struct child *children;
+static size_t nchildren, capchildren;
+
+static void track(pid_t pid, int conn) {
+    if (nchildren == capchildren) {
+        capchildren = capchildren ? capchildren * 2 : 64;
+        children = realloc(children, capchildren * sizeof(*children));
+        if (!children) _exit(111);
+    }
+    children[nchildren].pid = pid;
+    children[nchildren].conn = conn;
+    nchildren++;
+}
+
+static void finish(pid_t pid, int status) {
+    for (size_t i = 0; i < nchildren; i++) {
+        if (children[i].pid == pid) {
+            int32_t st = status;
+            ssize_t w = send(children[i].conn, &st, sizeof st, MSG_NOSIGNAL);
+            (void)w;
+            close(children[i].conn);
+            children[i] = children[--nchildren];
+            return;
+        }
+    }
+    /* an orphan reparented to us: reaped, nothing to report */
+}
+
+static int read_full(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len) {
+        ssize_t r = read(fd, p, len);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r; len -= (size_t)r;
+    }
+    return 0;
+}
+
+static void reply_u32(int conn, uint32_t v) {
+    ssize_t w = send(conn, &v, sizeof v, MSG_NOSIGNAL);
+    (void)w;
+}
+
+static void spawn(int conn) {
+    char cbuf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+    uint32_t len = 0;
+    struct iovec iov = {.iov_base = &len, .iov_len = sizeof len};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    int fds[MAX_FDS];
+    int nfds = 0;
+    ssize_t r = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    if (r != (ssize_t)sizeof len) { close(conn); return; }
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < n && nfds < MAX_FDS; i++) memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        }
+    }
+    char *payload = NULL;
+    char **argv = NULL, **envp = NULL;
+    if (len == 0 || len > MAX_PAYLOAD || nfds < 3) goto fail;
+    payload = malloc(len + 1);
+    if (!payload || read_full(conn, payload, len) < 0) goto fail;
+    payload[len] = 0;
+    /* tokenise */
+    char *p = payload, *end = payload + len;
+#define NEXT() ({ char *_t = p; if (p >= end) goto fail; p += strlen(p) + 1; _t; })
+    if (strcmp(NEXT(), "1") != 0) goto fail;
+    long argc = strtol(NEXT(), NULL, 10);
+    if (argc < 1 || argc > 65536) goto fail;
+    argv = calloc((size_t)argc + 1, sizeof(char *));
+    if (!argv) goto fail;
+    for (long i = 0; i < argc; i++) argv[i] = NEXT();
+    long envc = strtol(NEXT(), NULL, 10);
+    if (envc < 0 || envc > 65536) goto fail;
+    envp = calloc((size_t)envc + 1, sizeof(char *));
+    if (!envp) goto fail;
+    for (long i = 0; i < envc; i++) envp[i] = NEXT();
+    char *cwd = NEXT();
+    long ncg = strtol(NEXT(), NULL, 10);
+    if (ncg < 0 || ncg != nfds - 3) goto fail;
+#undef NEXT
+
+    pid_t pid = fork();
+    if (pid < 0) goto fail;
+    if (pid == 0) {
+        sigset_t all;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+        for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL);
+        setsid();
+        for (int i = 3; i < nfds; i++) {
+            if (write(fds[i], "0", 1) != 1) {
+                dprintf(fds[2], "corral: cannot join exec cgroup: %s\n", strerror(errno));
+                _exit(125);
+            }
+        }
+        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (oom >= 0) { ssize_t w = write(oom, "0", 1); (void)w; close(oom); }
+        if (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0) _exit(125);
+        syscall(SYS_close_range, 3, ~0U, 0);
+        if (chdir(cwd) != 0) {
+            dprintf(2, "corral: cannot change directory to %s: %s\n", cwd, strerror(errno));
+            _exit(126);
+        }
+        environ = envp;
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "corral: cannot run %s: %s\n", argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    free(payload); free(argv); free(envp);
+    reply_u32(conn, (uint32_t)pid);
+    track(pid, conn);
+    return;
+fail:
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    free(payload); free(argv); free(envp);
+    reply_u32(conn, 0);
+    close(conn);
+}
+
+int main(void) {
+    /* keep /proc/1/fd and /proc/1/mem out of reach of the sandbox's own (capability-less) root */
+    prctl(PR_SET_DUMPABLE, 0);
+    fcntl(LISTEN_FD, F_SETFD, FD_CLOEXEC);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0) return 111;
+    struct pollfd pfd[2] = {{.fd = LISTEN_FD, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
+    for (;;) {
+        if (poll(pfd, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 111;
+        }
+        if (pfd[1].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == sizeof si) {}
+            int status;
+            pid_t pid;
+            while ((pid = waitpid(-1, &status, WNOHANG)) > 0) finish(pid, status);
+        }
+        if (pfd[0].revents & POLLIN) {
+            int conn = accept4(LISTEN_FD, NULL, NULL, SOCK_CLOEXEC);
+            if (conn >= 0) spawn(conn);
+        }
+        if (pfd[0].revents & (POLLERR | POLLHUP | POLLNVAL)) return 112;
+    }
+}

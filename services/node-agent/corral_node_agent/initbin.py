@@ -1,0 +1,27 @@
+"""Builds corral-init (the sandbox's PID 1) from its C source once per node, statically linked
+because images such as busybox carry no libc."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from corral_common.errors import Unavailable
+
+SOURCE = os.path.join(os.path.dirname(__file__), "init", "corral-init.c")
+
+
+def ensure_init_binary(bin_dir: str) -> str:
+    os.makedirs(bin_dir, exist_ok=True)
+    dest = f"{bin_dir}/corral-init"
+    if os.path.exists(dest) and os.path.getmtime(dest) >= os.path.getmtime(SOURCE):
+        return dest
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise Unavailable("a C compiler is needed once to build corral-init (apt-get install gcc libc6-dev)")
+    tmp = f"{dest}.{os.getpid()}.tmp"
+    p = subprocess.run([cc, "-static", "-O2", "-Wall", "-o", tmp, SOURCE], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise Unavailable(f"building corral-init failed: {p.stderr.strip()[-2000:]}")
+    os.replace(tmp, dest)
+    return dest

@@ -1,0 +1,92 @@
+"""Client side of the corral-init protocol (see init/corral-init.c): ask a sandbox's resident
+helper to fork a process with the given argv, env, cwd, stdio and exec cgroups."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+
+class InitError(Exception):
+    pass
+
+
+class Spawned:
+    """A process the helper started; `wait()` returns its raw wait status."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock = sock
+        self.pid = pid
+
+    async def wait(self) -> int:
+        loop = asyncio.get_running_loop()
+        buf = b""
+        try:
+            while len(buf) < 4:
+                chunk = await loop.sock_recv(self.sock, 4 - len(buf))
+                if not chunk:
+                    raise InitError("sandbox helper went away before the process exited")
+                buf += chunk
+        finally:
+            self.sock.close()
+        return struct.unpack("<i", buf)[0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int) -> bytes:
+    tokens = ["1", str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items()), cwd, str(ncgroups)]
+    for t in tokens:
+        if "\0" in t:
+            raise ValueError("arguments, environment and cwd must not contain NUL bytes")
+    payload = b"".join(t.encode() + b"\0" for t in tokens)
+    return payload
+
+
+async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int], cgroup_fds: list[int], timeout: float = 10.0) -> Spawned:
+    payload = encode_request(argv, env, cwd, len(cgroup_fds))
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, ctl_path)
+            header = struct.pack("<I", len(payload))
+            # the fds ride on the first message; the payload follows as plain stream bytes
+            await _sendmsg(loop, sock, header, [*stdio, *cgroup_fds])
+            await loop.sock_sendall(sock, payload)
+            buf = b""
+            while len(buf) < 4:
+                chunk = await loop.sock_recv(sock, 4 - len(buf))
+                if not chunk:
+                    raise InitError("sandbox helper closed the connection")
+                buf += chunk
+    except (OSError, TimeoutError) as e:
+        sock.close()
+        raise InitError(f"cannot reach the sandbox helper: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+    pid = struct.unpack("<I", buf)[0]
+    if pid == 0:
+        sock.close()
+        raise InitError("sandbox helper could not start the process (fork failed or bad request)")
+    return Spawned(sock, pid)
+
+
+async def _sendmsg(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+    while True:
+        try:
+            sent = sock.sendmsg([data], anc)
+            if sent != len(data):
+                await loop.sock_sendall(sock, data[sent:])
+            return
+        except BlockingIOError:
+            fut = loop.create_future()
+            loop.add_writer(sock.fileno(), fut.set_result, None)
+            try:
+                await fut
+            finally:
+                loop.remove_writer(sock.fileno())

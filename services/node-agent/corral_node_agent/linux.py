@@ -1,0 +1,108 @@
+"""Thin ctypes wrappers for the Linux calls the standard library lacks (mount, umount2, setns,
+openat2). Spawning `mount(8)` per sandbox would cost milliseconds; these cost microseconds."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import struct
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_BIND = 4096
+MNT_DETACH = 2
+CLONE_NEWNET = 0x40000000
+
+SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_IN_ROOT = 0x10
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
+    _check(
+        _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode() if data else None),
+        f"mount {fstype} on {target}",
+    )
+
+
+def umount(target: str, detach: bool = False) -> None:
+    _check(_libc.umount2(target.encode(), MNT_DETACH if detach else 0), f"umount {target}")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(fd, nstype), "setns")
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """openat2(2): with RESOLVE_IN_ROOT every `..` and absolute symlink resolves inside dirfd,
+    which is exactly the confinement files.read/write need."""
+    how = struct.pack("QQQ", flags | os.O_CLOEXEC, mode, resolve)
+    buf = ctypes.create_string_buffer(how)
+    fd = _libc.syscall(SYS_OPENAT2, dirfd, path.encode(), buf, len(how))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
+    return fd
+
+
+def mounted_under(prefix: str) -> list[str]:
+    """Mount points at or below prefix, deepest first (the order to unmount them)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].encode().decode("unicode_escape")
+            if mp == prefix or mp.startswith(prefix.rstrip("/") + "/"):
+                out.append(mp)
+    return sorted(out, key=len, reverse=True)
+
+
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+
+
+def loopback_up(pid: int) -> None:
+    """Bring `lo` up in the network namespace of `pid`.
+
+    runc leaves a fresh netns with lo down; tests and servers inside a sandbox need 127.0.0.1.
+    setns(CLONE_NEWNET) only moves the calling thread, so a throwaway thread does it and then
+    ends, leaving the agent's own threads in the host namespace."""
+    import fcntl
+    import socket
+    import threading
+
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                setns(nsfd, CLONE_NEWNET)
+            finally:
+                os.close(nsfd)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                req = struct.pack("16sH14x", b"lo", 0)
+                flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+                fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+        except BaseException as e:  # reported to the caller
+            err.append(e)
+
+    t = threading.Thread(target=run, name=f"netns-{pid}")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]

@@ -1,0 +1,11 @@
+"""Substrate registry: adding a substrate is one module and one entry here."""
+from __future__ import annotations
+
+from .base import Substrate
+from .container import ContainerSubstrate
+
+REGISTRY: dict[str, type[Substrate]] = {
+    ContainerSubstrate.name: ContainerSubstrate,
+}
+
+__all__ = ["REGISTRY", "Substrate"]

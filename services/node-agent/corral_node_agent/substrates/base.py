@@ -1,0 +1,75 @@
+"""The substrate interface: every way of running a sandbox (runc container, one-shot function,
+Docker, later microVMs) is one class with these async methods and a registry entry."""
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import ClassVar
+
+import msgspec
+
+from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+ChunkCallback = Callable[[str, bytes], None]
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    cpu_ns: int = 0
+    memory_bytes: int = 0
+    pids: int = 0
+
+
+class Sandbox:
+    """What the agent knows about a live sandbox; substrates subclass it for their own state."""
+
+    def __init__(self, info: SandboxInfo, spec: SandboxSpec):
+        self.info = info
+        self.spec = spec
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+
+class AdoptReport(msgspec.Struct, kw_only=True):
+    adopted: list[str] = []
+    cleaned: list[str] = []
+    notes: list[str] = []
+
+
+class Substrate(abc.ABC):
+    name: ClassVar[str]
+
+    async def start(self) -> None:
+        """Check prerequisites; raise with a clear message when this substrate cannot run here."""
+
+    @abc.abstractmethod
+    async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox: ...
+
+    @abc.abstractmethod
+    async def exec(self, sb: Sandbox, req: ExecRequest, on_chunk: ChunkCallback | None) -> ExecResult: ...
+
+    @abc.abstractmethod
+    async def read_file(self, sb: Sandbox, path: str, max_bytes: int) -> tuple[bytes, int]: ...
+
+    @abc.abstractmethod
+    async def write_file(self, sb: Sandbox, path: str, data: bytes, mode: int, make_parents: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self, sb: Sandbox) -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self, sb: Sandbox) -> None: ...
+
+    @abc.abstractmethod
+    async def destroy(self, sb: Sandbox) -> None: ...
+
+    @abc.abstractmethod
+    async def usage(self, sb: Sandbox) -> Usage: ...
+
+    async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
+        """Find what a crashed predecessor left: adopt live sandboxes, clean up the rest."""
+        return [], AdoptReport()
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""corral scheduler: places sandbox requests on node-agents."""

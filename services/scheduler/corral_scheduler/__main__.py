@@ -1,0 +1,39 @@
+"""`python -m corral_scheduler`: run one scheduler replica."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import typer
+
+from corral_common import config, logs
+
+from .service import Scheduler, SchedulerConfig
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
+    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
+    node_timeout_s: float = typer.Option(30.0),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    logs.setup("scheduler", log_level)
+    cfg = SchedulerConfig(nats_url=config.nats_url(nats), metrics_host=metrics_host, metrics_port=metrics_port,
+                          node_timeout_s=node_timeout_s)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        await Scheduler(cfg).run(stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,306 @@
+"""The scheduler service: serves create, create_batch and list as a queue group, so several
+replicas can run. Its state is in NATS KV: the node registry (from heartbeats), placements
+(written by the owning node-agent) and request ids (for idempotent retries)."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from corral_common import bus, logs, metrics, subjects
+from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, NotFound, Unavailable, from_code
+from corral_common.messages import (
+    CreateBatchRequest, Heartbeat, ListRequest, NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id, ok,
+)
+
+from . import placement
+from .registry import Registry, Reservation
+
+log = logging.getLogger("corral.scheduler")
+
+PLACEMENTS = metrics.counter("corral_scheduler_placements_total", "Sandboxes placed", ("node",))
+REJECTIONS = metrics.counter("corral_scheduler_rejections_total", "Create requests refused", ("code",))
+NODES_ALIVE = metrics.gauge("corral_scheduler_nodes_alive", "Nodes with a recent heartbeat")
+PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
+
+
+class _Reply(msgspec.Struct):
+    ok: bool
+    sandbox: SandboxInfo | None = None
+    error: dict | None = None
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True):
+    nats_url: str
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    node_timeout_s: float = 30.0
+    batch_parallelism: int = 64
+    stale_after_s: float = 5.0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.registry = Registry(cfg.stale_after_s)
+        self.placed: dict[str, SandboxInfo] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        self.nc = await bus.connect(self.cfg.nats_url, name="corral-scheduler")
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js)
+        self.kv_nodes = await bus.ensure_kv(self.js, subjects.KV_NODES)
+        self.kv_placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
+        self.kv_requests = await bus.ensure_kv(self.js, subjects.KV_REQUESTS, ttl=24 * 3600)
+        await self._load_nodes()
+        self.watcher = await self.kv_placements.watchall()
+        self._spawn(self._watch_placements())
+        await self.nc.subscribe(subjects.NODE_HEARTBEAT, cb=self._on_heartbeat)
+        self.responder = bus.Responder(self.nc, "scheduler")
+        q = subjects.SCHEDULER_QUEUE
+        await self.responder.serve(subjects.SANDBOX_CREATE, self._on_create, "create", queue=q)
+        await self.responder.serve(subjects.SANDBOX_CREATE_BATCH, self._on_create_batch, "create_batch", queue=q)
+        await self.responder.serve(subjects.SANDBOX_LIST, self._on_list, "list", queue=q)
+        # answers `not_found` for sandboxes no node owns, so raw NATS clients get a JSON reply
+        # instead of a bare "no responders" status
+        for pattern in (f"{subjects.PREFIX}.sandbox.*.*", f"{subjects.PREFIX}.sandbox.*.files.*"):
+            await self.nc.subscribe(pattern, queue=q + "-orphans", cb=self._on_orphan)
+        metrics.UP.labels("scheduler").set(1)
+        logs.kv(log, logging.INFO, "scheduler ready", metrics=self.metrics_url)
+        await stop.wait()
+        await self.responder.drain()
+        for t in list(self.tasks):
+            t.cancel()
+        try:
+            await self.watcher.stop()
+        except Exception:
+            pass
+        await self.nc.drain()
+        logs.kv(log, logging.INFO, "scheduler stopped")
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------------ registry
+
+    async def _load_nodes(self) -> None:
+        try:
+            keys = await self.kv_nodes.keys()
+        except Exception:
+            return
+        for k in keys:
+            try:
+                e = await self.kv_nodes.get(k)
+                hb = msgspec.json.decode(e.value, type=Heartbeat)
+            except Exception:
+                continue
+            if time.time() - hb.ts < self.cfg.stale_after_s:
+                self.registry.heartbeat(hb)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = msgspec.json.decode(msg.data, type=Heartbeat)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("malformed heartbeat ignored")
+            return
+        self.registry.heartbeat(hb)
+        NODES_ALIVE.set(len(self.registry.alive()))
+        try:
+            await self.kv_nodes.put(hb.node, msg.data)
+        except Exception:
+            pass
+
+    async def _watch_placements(self) -> None:
+        async for e in self.watcher:
+            if e is None:  # end of the initial values
+                continue
+            if e.operation in ("DEL", "PURGE") or not e.value:
+                self.placed.pop(e.key, None)
+                continue
+            try:
+                self.placed[e.key] = msgspec.json.decode(e.value, type=SandboxInfo)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+
+    # ------------------------------------------------------------------ create
+
+    async def _on_create(self, msg: Msg) -> bytes:
+        spec = bus.decode(msg.data, SandboxSpec)
+        info = await self.create(spec)
+        return ok(sandbox=info)
+
+    def _check_substrate(self, spec: SandboxSpec) -> None:
+        if spec.substrate in PLANNED_SUBSTRATES:
+            raise InvalidRequest(f"substrate {spec.substrate!r} ({PLANNED_SUBSTRATES[spec.substrate]}) is planned but not available yet; "
+                                 f"available: {', '.join(sorted(self.registry.substrates())) or 'none'}")
+        have = self.registry.substrates()
+        if have and spec.substrate not in have:
+            raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        self._check_substrate(spec)
+        if not spec.request_id:
+            return await self._place(new_id(), spec)
+        key = "r" + hashlib.sha256(spec.request_id.encode()).hexdigest()[:40]
+        sid = new_id()
+        try:
+            await self.kv_requests.create(key, sid.encode())
+        except KeyWrongLastSequenceError:
+            return await self._existing(key, spec.request_id)
+        except Exception as e:
+            if "wrong last sequence" in str(e).lower() or "key exists" in str(e).lower():
+                return await self._existing(key, spec.request_id)
+            raise
+        try:
+            return await self._place(sid, spec)
+        except BaseException:
+            try:
+                await self.kv_requests.delete(key)  # let a retry try again
+            except Exception:
+                pass
+            raise
+
+    async def _existing(self, key: str, request_id: str) -> SandboxInfo:
+        """A retry of a request already seen: answer with the sandbox it made (or is making)."""
+        deadline = time.monotonic() + self.cfg.node_timeout_s + 5
+        while time.monotonic() < deadline:
+            try:
+                e = await self.kv_requests.get(key)
+            except KeyNotFoundError:
+                e = None
+            if e is None or not e.value:
+                raise Unavailable(f"an earlier attempt with request_id {request_id!r} failed; retry", retry_after_s=0.1)
+            sid = e.value.decode()
+            info = self.placed.get(sid)
+            if info is None:
+                try:
+                    pe = await self.kv_placements.get(sid)
+                    info = msgspec.json.decode(pe.value, type=SandboxInfo) if pe and pe.value else None
+                except KeyNotFoundError:
+                    info = None
+            if info is not None:
+                return info
+            await asyncio.sleep(0.02)
+        raise CorralError(f"request_id {request_id!r} is still being placed by another attempt", Code.TIMEOUT)
+
+    async def _place(self, sid: str, spec: SandboxSpec) -> SandboxInfo:
+        alive = self.registry.alive()
+        tried: list[str] = []
+        last: CorralError | None = None
+        for st in placement.candidates(alive, spec)[:3]:
+            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
+            st.reservations.append(res)
+            tried.append(st.hb.node)
+            try:
+                info = await self._ask_node(st.hb.node, sid, spec)
+            except CorralError as e:
+                st.reservations.remove(res)
+                if e.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.TIMEOUT):
+                    last = e
+                    continue
+                REJECTIONS.labels(e.code.value).inc()
+                raise
+            except BaseException:
+                st.reservations.remove(res)
+                raise
+            res.done_at = time.time()
+            PLACEMENTS.labels(st.hb.node).inc()
+            self.placed[sid] = info
+            return info
+        REJECTIONS.labels("capacity").inc()
+        detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
+        raise Capacity(
+            f"no node has room for a sandbox with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
+            f"({placement.describe_room(alive)}){detail}", retry_after_s=1.0,
+        )
+
+    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec) -> SandboxInfo:
+        data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec))
+        try:
+            resp = await self.nc.request(subjects.node_create(node), data, timeout=self.cfg.node_timeout_s)
+        except NoRespondersError:
+            raise Unavailable(f"node {node} is not answering") from None
+        except NatsTimeout:
+            raise CorralError(f"node {node} did not answer within {self.cfg.node_timeout_s:g}s", Code.TIMEOUT) from None
+        r = msgspec.json.decode(resp.data, type=_Reply)
+        if not r.ok or r.sandbox is None:
+            err = r.error or {}
+            raise from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
+        return r.sandbox
+
+    async def _on_create_batch(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, CreateBatchRequest)
+        spec = req.spec
+        self._check_substrate(spec)
+        alive = self.registry.alive()
+        free_cpu = sum(max(0.0, s.free()[0]) for s in alive if spec.substrate in s.hb.substrates)
+        free_mem = sum(max(0, s.free()[1]) for s in alive if spec.substrate in s.hb.substrates)
+        free_n = sum(max(0, s.free()[2]) for s in alive if spec.substrate in s.hb.substrates)
+        if spec.cpu * req.count > free_cpu + 1e-9 or spec.memory_mb * req.count > free_mem or req.count > free_n:
+            REJECTIONS.labels("capacity").inc()
+            raise Capacity(
+                f"a batch of {req.count} x (cpu={spec.cpu:g}, memory_mb={spec.memory_mb}) does not fit: "
+                f"free {free_cpu:g} cpu, {free_mem} MiB, {free_n} slots across {len(alive)} node(s)", retry_after_s=5.0,
+            )
+        sem = asyncio.Semaphore(self.cfg.batch_parallelism)
+
+        async def one(i: int) -> SandboxInfo | CorralError:
+            s = msgspec.structs.replace(spec, request_id=f"{spec.request_id}#{i}" if spec.request_id else "")
+            async with sem:
+                try:
+                    return await self.create(s)
+                except CorralError as e:
+                    return e
+
+        results = await asyncio.gather(*(one(i) for i in range(req.count)))
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [{"index": i, "code": r.code.value, "message": r.message} for i, r in enumerate(results) if isinstance(r, CorralError)]
+        if not made:
+            first = failed[0]
+            raise from_code(first["code"], f"none of the {req.count} sandboxes could be created: {first['message']}")
+        return ok(sandboxes=made, failed=failed)
+
+    # ------------------------------------------------------------------ list / orphans
+
+    async def _on_list(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, ListRequest)
+        out = []
+        for info in self.placed.values():
+            if req.job is not None and info.job != req.job:
+                continue
+            if req.node is not None and info.node != req.node:
+                continue
+            if req.labels and any(info.labels.get(k) != v for k, v in req.labels.items()):
+                continue
+            out.append(info)
+        out.sort(key=lambda i: i.created_at)
+        return ok(sandboxes=out)
+
+    async def _on_orphan(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")
+        sid = parts[3]
+        if sid in self.placed or not msg.reply:
+            return
+        await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
+        if sid in self.placed:
+            return
+        try:
+            await self.kv_placements.get(sid)
+            return  # owned: its node answers
+        except KeyNotFoundError:
+            pass
+        except Exception:
+            return
+        await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
+            "code": "not_found", "message": f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"}}))
