@@ -41,6 +41,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     metrics_url: str = ""
+    argv: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -68,9 +69,20 @@ class Stack:
         log = self._log(name)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
-        proc = Proc(name, p, metrics_url)
+        proc = Proc(name, p, metrics_url, argv)
         self.procs.append(proc)
         return proc
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def restart(self, name: str) -> Proc:
+        """Start a stopped (or killed) process again with the same arguments."""
+        old = self.proc(name)
+        if old.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.procs.remove(old)
+        return self._start(name, old.argv, old.metrics_url)
 
     def _mport(self, i: int) -> int:
         return self.metrics_port + i if self.metrics_port else free_port()

@@ -477,6 +477,12 @@ class DebootstrapProgress:
         return self._at(msg.rstrip(".").lower(), self.fraction)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the building process dies (PR_SET_PDEATHSIG), so an
+    orphaned debootstrap does not go on writing into a build directory the next build removes."""
+    _libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         with contextlib.suppress(ProcessLookupError):
@@ -525,7 +531,7 @@ def build_debian(rootfs: str, progress: Progress | None = None) -> str:
     proc = subprocess.Popen(
         [deb, *args, rootfs, mirror], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, env=env,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_die_with_parent,
     )
     try:
         assert proc.stdout is not None

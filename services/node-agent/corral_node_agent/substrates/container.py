@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -60,7 +61,10 @@ class ContainerSandbox(Sandbox):
         self.pidfd: int | None = None
         self.sessions: dict[str, Session] = {}
         self.session_locks: dict[str, asyncio.Lock] = {}
+        # exec cgroup names carry a per-agent-run prefix so an adopted sandbox's lingering
+        # groups (background processes started before a restart) are never reused
         self.seq = itertools.count(1)
+        self.epoch = secrets.token_hex(3)
         self.paused = False
         self.lingering: set[str] = set()
         try:
@@ -210,7 +214,7 @@ class ContainerSubstrate(Substrate):
         if req.session:
             return await self._session_exec(sb, req, argv, env, on_chunk)
         cwd = req.cwd or sb.spec.workdir or "/"
-        group = f"x{next(sb.seq)}"
+        group = f"x{sb.epoch}-{next(sb.seq)}"
         t0 = time.perf_counter()
         oom_before = sb.cg.oom_kills()
         cg_fds = sb.cg.make_exec_group(group)
@@ -320,7 +324,7 @@ class ContainerSubstrate(Substrate):
             )
 
     async def _start_session(self, sb: ContainerSandbox, name: str, env: dict[str, str]) -> Session:
-        group = f"s-{name}-{next(sb.seq)}"
+        group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
         cg_fds = sb.cg.make_exec_group(group)
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -395,9 +399,10 @@ class ContainerSubstrate(Substrate):
                 sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid))
                 sb.paused = st.get("status") == "paused"
                 for group in cg.exec_groups():
-                    # exec groups of the dead agent: their callers are gone, so are their processes
-                    cg.kill_group(group)
-                    cg.remove_group(group)
+                    # background processes from before the restart keep running (a server the
+                    # agent started must survive us); empty groups go now, the rest on destroy
+                    if not cg.remove_group(group):
+                        sb.lingering.add(group)
                 adopted.append(sb)
                 report.adopted.append(sid)
                 continue

@@ -1,0 +1,62 @@
+"""Shared fixtures: a real embedded stack (nats-server, scheduler, node-agents as processes).
+
+Images are cached across runs in $CORRAL_IMAGE_DIR (default /var/lib/corral/images) so the
+debian image is debootstrapped once per machine; everything else lives in a fresh short data
+dir (unix socket paths must stay under 108 bytes)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import nats
+import pytest
+import pytest_asyncio
+
+from corral_sdk import AsyncClient
+from corral_sdk.stack import Stack, free_port
+
+from .leaks import assert_clean
+
+IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
+
+
+def make_stack(nodes: int = 1, **kw) -> Stack:
+    data = tempfile.mkdtemp(prefix="crl-", dir="/tmp")
+    return Stack(data_dir=data, nodes=nodes, nats_port=free_port(), image_dir=IMAGE_DIR, **kw)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def stack():
+    s = make_stack(nodes=1)
+    await s.start()
+    yield s
+    await s.stop()
+    for i in range(s.nodes):
+        assert_clean(s.data_dir, f"node-{i + 1}")
+    shutil.rmtree(s.data_dir, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def client(stack):
+    c = await AsyncClient.connect(stack.url)
+    yield c
+    await c.close()
+
+
+@pytest_asyncio.fixture
+async def nc(stack):
+    """A plain nats-py connection, for speaking the contract without the SDK."""
+    conn = await nats.connect(stack.url)
+    yield conn
+    await conn.close()
+
+
+@pytest_asyncio.fixture
+async def sandbox(client):
+    sb = await client.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600)
+    yield sb
+    try:
+        await sb.destroy()
+    except Exception:
+        pass

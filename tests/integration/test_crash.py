@@ -1,0 +1,95 @@
+"""kill -9 a node-agent with live sandboxes, start it again: live sandboxes are adopted and keep
+working, half-made leftovers are cleaned, events say what happened, nothing is orphaned."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import nats
+
+from corral_sdk import AsyncClient
+
+from ..conftest import make_stack
+from ..leaks import assert_clean, cgroups_under, mounts_under
+
+
+async def _wait_node(url: str, node: str, timeout: float = 30) -> None:
+    nc = await nats.connect(url)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            try:
+                await nc.request(f"corral.node.{node}.ping", b"{}", timeout=1)
+                return
+            except Exception:
+                await asyncio.sleep(0.2)
+        raise TimeoutError(node)
+    finally:
+        await nc.close()
+
+
+async def test_kill9_node_agent_then_restart():
+    stack = make_stack(nodes=1)
+    await stack.start()
+    node = "node-1"
+    sdir = f"{stack.data_dir}/nodes/{node}/sandboxes"
+    try:
+        c = await AsyncClient.connect(stack.url)
+        keep = await c.create(image="busybox", cpu=0.1, memory_mb=32)
+        await keep.files.write("/state.txt", "before crash")
+        await keep.exec("sleep 600 &")
+        short = await c.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=3)
+
+        agent = stack.proc(node).popen
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+
+        # leftovers of a create that was interrupted half-way: a tmpfs mount and a cgroup, no container
+        fake = f"{sdir}/sb-deadbeef0000"
+        os.makedirs(f"{fake}/rw")
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", f"{fake}/rw"], check=True)
+        os.makedirs(f"/sys/fs/cgroup/pids/corral/{node}/sb-deadbeef0000", exist_ok=True)
+        await asyncio.sleep(3.5)  # `short` expires while its agent is down
+
+        nc = await nats.connect(stack.url)
+        got: list[tuple[str, dict]] = []
+
+        async def on_msg(m) -> None:
+            got.append((m.subject, json.loads(m.data)))
+
+        await nc.subscribe("corral.events.>", cb=on_msg)
+        stack.restart(node)
+        await _wait_node(stack.url, node)
+        await asyncio.sleep(1.0)
+
+        # the surviving sandbox was adopted and works, with its state and background process
+        r = await keep.exec("cat /state.txt; ps | grep -c '[s]leep 600'")
+        assert r.exit_code == 0 and r.stdout == "before crash1\n", r
+        ready = [e for s, e in got if e.get("sandbox_id") == keep.id and e.get("kind") == "ready"]
+        assert ready and "adopted" in ready[0]["reason"]
+
+        # the fake leftover and (after its ttl) the expired sandbox are gone, with events saying so
+        reconciled = [e for s, e in got if s == f"corral.events.node.{node}.reconciled"]
+        assert reconciled and "sb-deadbeef0000" in reconciled[0]["cleaned"], got
+        assert not os.path.exists(fake)
+        assert not mounts_under(fake)
+        assert not [p for p in cgroups_under(f"corral/{node}") if "sb-deadbeef0000" in p]
+        for _ in range(50):
+            if any(e.get("sandbox_id") == short.id and e.get("kind") == "destroyed" for _, e in got):
+                break
+            await asyncio.sleep(0.1)
+        assert any(e.get("sandbox_id") == short.id and e.get("kind") == "destroyed" for _, e in got)
+        assert {i.id for i in await c.list()} == {keep.id}
+
+        await keep.destroy()
+        await nc.close()
+        await c.close()
+    finally:
+        await stack.stop()
+    assert_clean(stack.data_dir, node)
+    shutil.rmtree(stack.data_dir, ignore_errors=True)

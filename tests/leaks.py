@@ -1,0 +1,77 @@
+"""What a destroyed sandbox could leave behind on the host, for leak assertions."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+CG_ROOT = "/sys/fs/cgroup"
+
+
+def cgroups_under(rel: str) -> list[str]:
+    out = []
+    for h in sorted(os.listdir(CG_ROOT)):
+        base = f"{CG_ROOT}/{h}/{rel.strip('/')}"
+        if os.path.isdir(base):
+            for dirpath, dirs, _ in os.walk(base):
+                for d in dirs:
+                    out.append(f"{dirpath}/{d}")
+    return out
+
+
+def mounts_under(prefix: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+
+
+def runc_containers(runc_root: str) -> list[str]:
+    if not os.path.isdir(runc_root):
+        return []
+    p = subprocess.run(["runc", "--root", runc_root, "list", "-q"], capture_output=True, text=True)
+    return [x for x in p.stdout.split() if x]
+
+
+def processes_with(text: str) -> list[str]:
+    """Command lines of processes mentioning `text` (e.g. a state dir), excluding ourselves."""
+    out = []
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+def init_processes() -> list[int]:
+    """Host pids of every corral-init (PID 1 of a container sandbox)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{pid}/exe").endswith("/corral-init"):
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
+    state = f"{data_dir}/nodes/{node}"
+    sdir = f"{state}/sandboxes"
+    return {
+        "sandbox_dirs": sorted(os.listdir(sdir)) if os.path.isdir(sdir) else [],
+        "mounts": mounts_under(sdir),
+        "cgroups": cgroups_under(f"corral/{node}"),
+        "runc": runc_containers(f"{state}/runc"),
+    }
+
+
+def assert_clean(data_dir: str, node: str) -> None:
+    left = node_leftovers(data_dir, node)
+    assert left == {"sandbox_dirs": [], "mounts": [], "cgroups": [], "runc": []}, left
