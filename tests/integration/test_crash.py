@@ -93,3 +93,28 @@ async def test_kill9_node_agent_then_restart():
         await stack.stop()
     assert_clean(stack.data_dir, node)
     shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+async def test_sandbox_that_dies_on_its_own_is_reported_and_cleaned(stack, client):
+    nc = await nats.connect(stack.url)
+    got: list[dict] = []
+
+    async def on_msg(m) -> None:
+        got.append(json.loads(m.data))
+
+    await nc.subscribe("corral.events.sandbox.>", cb=on_msg)
+    try:
+        sb = await client.create(image="busybox", cpu=0.1, memory_mb=32)
+        sdir = f"{stack.data_dir}/nodes/node-1/sandboxes/{sb.id}"
+        with open(f"{sdir}/init.pid") as f:
+            os.kill(int(f.read()), signal.SIGKILL)  # e.g. the host OOM killer, or an operator
+        for _ in range(100):
+            if any(e["sandbox_id"] == sb.id and e["kind"] == "destroyed" for e in got):
+                break
+            await asyncio.sleep(0.05)
+        kinds = [e["kind"] for e in got if e["sandbox_id"] == sb.id]
+        assert kinds[-2:] == ["exited", "destroyed"], kinds
+        assert not os.path.exists(sdir)
+        assert not [p for p in cgroups_under("corral/node-1") if sb.id in p]
+    finally:
+        await nc.close()

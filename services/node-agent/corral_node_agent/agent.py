@@ -209,6 +209,18 @@ class NodeAgent:
         await self.placements.put(sb.id, encoder.encode(sb.info))
         await self.responder.serve(subjects.sandbox_all(sb.id), self._sandbox_handler(sb.id), "sandbox", key=sb.id)
         SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
+        sub.watch_exit(sb, self._on_sandbox_exit)
+
+    def _on_sandbox_exit(self, sb: Sandbox) -> None:
+        """PID 1 of the sandbox died on its own: report `exited`, then clean up everything."""
+        if sb.id in self.destroying or sb.id not in self.sandboxes:
+            return
+
+        async def go() -> None:
+            await self._event(sb, "exited", reason="sandbox init process exited")
+            await self._safe_destroy(sb.id, "sandbox exited")
+
+        self._spawn(go())
 
     # ------------------------------------------------------------------ per-sandbox ops
 

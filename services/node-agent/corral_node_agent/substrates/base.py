@@ -67,6 +67,9 @@ class Substrate(abc.ABC):
     @abc.abstractmethod
     async def usage(self, sb: Sandbox) -> Usage: ...
 
+    def watch_exit(self, sb: Sandbox, callback: Callable[[Sandbox], None]) -> None:
+        """Call `callback` if the sandbox dies on its own (not through destroy)."""
+
     async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
         """Find what a crashed predecessor left: adopt live sandboxes, clean up the rest."""
         return [], AdoptReport()

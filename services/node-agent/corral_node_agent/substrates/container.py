@@ -165,8 +165,27 @@ class ContainerSubstrate(Substrate):
         ])
         return await wait_pid(pid)
 
+    def watch_exit(self, sb: Sandbox, callback) -> None:
+        assert isinstance(sb, ContainerSandbox)
+        if sb.pidfd is None:
+            return
+        loop = asyncio.get_running_loop()
+        fd = sb.pidfd
+
+        def fired() -> None:
+            loop.remove_reader(fd)
+            if sb.pidfd is not None:  # not a destroy in progress
+                callback(sb)
+
+        loop.add_reader(fd, fired)
+
     async def destroy(self, sb: Sandbox) -> None:
         assert isinstance(sb, ContainerSandbox)
+        if sb.pidfd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(sb.pidfd)
+            except (RuntimeError, ValueError):
+                pass
         for s in sb.sessions.values():
             s.close()
         sb.sessions.clear()
