@@ -125,3 +125,26 @@ async def test_concurrent_requests_same_request_id_make_one_sandbox(client):
     results = await asyncio.gather(*(client.create(image="busybox", cpu=0.1, memory_mb=32, request_id="race-1") for _ in range(5)))
     assert len({r.id for r in results}) == 1
     await results[0].destroy()
+
+
+async def test_every_exec_is_audited_on_jetstream(client, stack):
+    from corral_common.audit import AuditBatch
+
+    import msgspec
+
+    sb = await client.create(image="busybox", cpu=0.1, memory_mb=32, job="audited")
+    await sb.exec("echo one", cwd="/tmp")
+    await sb.exec(["ls", "/"], session="s1")
+    await sb.destroy()
+    nc = await nats.connect(stack.url)
+    try:
+        psub = await nc.jetstream().subscribe(f"corral.audit.node-1.{sb.id}", ordered_consumer=True)
+        events = []
+        while len(events) < 2:
+            m = await psub.next_msg(timeout=5)
+            events += msgspec.json.decode(m.data, type=AuditBatch).events
+        assert [(e.kind, e.cmd, e.exit_code, e.job) for e in events] == [("exec", "echo one", 0, "audited"), ("exec", "ls /", 0, "audited")]
+        assert events[0].cwd == "/tmp" and events[1].session == "s1" and events[0].stdout_bytes == 4
+        assert len({e.id for e in events}) == 2
+    finally:
+        await nc.close()

@@ -11,18 +11,21 @@ import base64
 import codecs
 import logging
 import os
+import shlex
 import time
 
 import msgspec
 from nats.aio.msg import Msg
 
 from corral_common import bus, logs, metrics, subjects
+from corral_common.audit import AuditEvent, event_id
 from corral_common.errors import Capacity, CorralError, InvalidRequest, NotFound, Unavailable
 from corral_common.messages import (
     Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
     NodeCapacity, NodeCreate, NodeUsage, SandboxInfo, encoder, ok,
 )
 
+from .auditlog import AuditLog
 from .images import ImageStore
 from .substrates import REGISTRY, Substrate
 from .substrates.base import Sandbox
@@ -108,6 +111,8 @@ class NodeAgent:
         await bus.ensure_streams(self.js)
         self.placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
         self.responder = bus.Responder(self.nc, "node-agent")
+        self.audit = AuditLog(self.js, self.node)
+        self.audit.start()
         await self._reconcile()
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
         await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")
@@ -130,6 +135,7 @@ class NodeAgent:
             t.cancel()
         for sub in self.substrates.values():
             await sub.close()
+        await self.audit.close()
         try:
             await self.nc.drain()
         except Exception:
@@ -302,6 +308,13 @@ class NodeAgent:
                 queue.put_nowait(None)
                 await pump
         EXEC_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
+        self.audit.emit(AuditEvent(
+            id=event_id(), ts=time.time(), node=self.node, sandbox=sb.id, kind="exec", job=sb.info.job, labels=sb.info.labels,
+            cmd=req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd), cwd=req.cwd or sb.spec.workdir, session=req.session,
+            exit_code=result.exit_code, duration_ms=round(result.duration_ms, 3), stdout_bytes=len(result.stdout),
+            stderr_bytes=len(result.stderr), timed_out=result.timed_out,
+            detail={"oom_killed": "1"} if result.oom_killed else {},
+        ))
         return ok(result=result)
 
     async def destroy(self, sid: str, reason: str) -> None:
