@@ -54,11 +54,18 @@ def init_processes() -> list[int]:
         if not pid.isdigit():
             continue
         try:
-            if os.readlink(f"/proc/{pid}/exe").endswith("/corral-init"):
+            exe = os.readlink(f"/proc/{pid}/exe")
+            if exe.endswith("/corral-init") or exe.endswith("/.corral/init"):
                 out.append(int(pid))
         except OSError:
             continue
     return out
+
+
+def cgroup_parent(data_dir: str, node: str) -> str:
+    """The node-agent writes its cgroup parent (unique per state dir) at start."""
+    with open(f"{data_dir}/nodes/{node}/cgroup-parent") as f:
+        return f.read().strip()
 
 
 def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
@@ -66,8 +73,8 @@ def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
     sdir = f"{state}/sandboxes"
     return {
         "sandbox_dirs": sorted(os.listdir(sdir)) if os.path.isdir(sdir) else [],
-        "mounts": mounts_under(sdir),
-        "cgroups": cgroups_under(f"corral/{node}"),
+        "mounts": mounts_under(state + "/"),
+        "cgroups": cgroups_under(cgroup_parent(data_dir, node)),
         "runc": runc_containers(f"{state}/runc"),
     }
 

@@ -122,9 +122,22 @@ async def test_pause_resume(nc, sid):
     assert r["ok"] is True
 
 
-async def test_snapshot_answers_clearly(nc, sid):
-    r = await call(nc, f"corral.v1.sandbox.{sid}.snapshot", {})
-    assert_error(r, "unavailable", "snapshot")
+async def test_snapshot_then_fork(nc, sid):
+    await call(nc, f"corral.v1.sandbox.{sid}.exec", {"cmd": "mkdir -p /work && echo state > /work/s.txt && rm /bin/vi"})
+    r = await call(nc, f"corral.v1.sandbox.{sid}.snapshot", {"name": "contract-snap", "labels": {"k": "v"}})
+    assert r["ok"] is True, r
+    assert r["image"]["name"] == "contract-snap" and len(r["image"]["layers"]) == 2
+    assert r["image"]["labels"] == {"k": "v", "snapshot_of": sid}
+    # the source keeps running
+    assert (await call(nc, f"corral.v1.sandbox.{sid}.exec", {"cmd": "cat /work/s.txt"}))["result"]["stdout"] == "state\n"
+    b = await call(nc, "corral.v1.sandbox.create_batch", {"spec": {"image": "contract-snap", "cpu": 0.1, "memory_mb": 32}, "count": 3})
+    assert b["ok"] is True, b
+    for s in b["sandboxes"]:
+        out = await call(nc, f"corral.v1.sandbox.{s['id']}.exec", {"cmd": "cat /work/s.txt; ls /bin/vi 2>&1 || echo gone"})
+        assert out["result"]["stdout"].startswith("state\n") and out["result"]["stdout"].endswith("gone\n"), out
+        await call(nc, f"corral.v1.sandbox.{s['id']}.destroy", {})
+    assert_error(await call(nc, f"corral.v1.sandbox.{sid}.snapshot", {"name": "Bad Name"}), "invalid_request", "image name")
+    assert (await call(nc, "corral.v1.image.delete", {"name": "contract-snap"}))["ok"] is True
 
 
 async def test_create_batch_and_destroy(nc):

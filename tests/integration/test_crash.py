@@ -14,7 +14,7 @@ import nats
 from corral_sdk import AsyncClient
 
 from ..conftest import make_stack
-from ..leaks import assert_clean, cgroups_under, mounts_under
+from ..leaks import assert_clean, cgroup_parent, cgroups_under, mounts_under
 
 
 async def _wait_node(url: str, node: str, timeout: float = 30) -> None:
@@ -53,7 +53,8 @@ async def test_kill9_node_agent_then_restart():
         fake = f"{sdir}/sb-deadbeef0000"
         os.makedirs(f"{fake}/rw")
         subprocess.run(["mount", "-t", "tmpfs", "tmpfs", f"{fake}/rw"], check=True)
-        os.makedirs(f"/sys/fs/cgroup/pids/corral/{node}/sb-deadbeef0000", exist_ok=True)
+        parent = cgroup_parent(stack.data_dir, node)
+        os.makedirs(f"/sys/fs/cgroup/pids{parent}/sb-deadbeef0000", exist_ok=True)
         await asyncio.sleep(3.5)  # `short` expires while its agent is down
 
         nc = await nats.connect(stack.url)
@@ -78,7 +79,7 @@ async def test_kill9_node_agent_then_restart():
         assert reconciled and "sb-deadbeef0000" in reconciled[0]["cleaned"], got
         assert not os.path.exists(fake)
         assert not mounts_under(fake)
-        assert not [p for p in cgroups_under(f"corral/{node}") if "sb-deadbeef0000" in p]
+        assert not [p for p in cgroups_under(parent) if "sb-deadbeef0000" in p]
         for _ in range(50):
             if any(e.get("sandbox_id") == short.id and e.get("kind") == "destroyed" for _, e in got):
                 break
@@ -115,6 +116,6 @@ async def test_sandbox_that_dies_on_its_own_is_reported_and_cleaned(stack, clien
         kinds = [e["kind"] for e in got if e["sandbox_id"] == sb.id]
         assert kinds[-2:] == ["exited", "destroyed"], kinds
         assert not os.path.exists(sdir)
-        assert not [p for p in cgroups_under("corral/node-1") if sb.id in p]
+        assert not [p for p in cgroups_under(cgroup_parent(stack.data_dir, "node-1")) if sb.id in p]
     finally:
         await nc.close()

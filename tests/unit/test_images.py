@@ -8,8 +8,8 @@ import time
 import pytest
 
 from corral_common.errors import InvalidRequest, NotFound
-from corral_node_agent import images
-from corral_node_agent.images import DebootstrapProgress, ImageStore, apt_mirror
+from corral_image_cache import builtin as images
+from corral_image_cache.builtin import DebootstrapProgress, ImageStore, apt_mirror
 
 
 def test_busybox_build(tmp_path):

@@ -122,6 +122,11 @@ class Empty(Request):
     pass
 
 
+class SnapshotRequest(Request, kw_only=True):
+    name: str = ""  # image name for the snapshot; default snap-<sandbox>-<ms>
+    labels: LabelMap = {}
+
+
 class ErrorBody(Struct, kw_only=True, omit_defaults=True):
     code: str
     message: str

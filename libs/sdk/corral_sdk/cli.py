@@ -16,7 +16,7 @@ from corral_common.errors import CorralError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="corral: sandboxes for training and evaluating AI agents")
 sandbox_app = typer.Typer(no_args_is_help=True, help="create, exec in, list and remove sandboxes")
-image_app = typer.Typer(no_args_is_help=True, help="build and list the built-in images on this machine")
+image_app = typer.Typer(no_args_is_help=True, help="build, import, list, inspect and remove images")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(image_app, name="image")
 console = Console(stderr=True)
@@ -178,18 +178,109 @@ def sandbox_rm(sandbox_ids: list[str], all_: bool = typer.Option(False, "--all",
     raise typer.Exit(rc)
 
 
+@app.command("image-cache", context_settings=PASSTHROUGH)
+def image_cache(ctx: typer.Context) -> None:
+    """Run the image registry service (`corral image-cache --help` for its options)."""
+    _exec_module("corral_image_cache", ctx.args)
+
+
+@app.command("image-loader", context_settings=PASSTHROUGH)
+def image_loader(ctx: typer.Context) -> None:
+    """Run a node's lazy image loader (`corral image-loader --help` for its options)."""
+    _exec_module("corral_image_cache.loader", ctx.args)
+
+
+def _image_root(image_dir: str | None) -> str:
+    return image_dir or os.environ.get("CORRAL_IMAGE_DIR") or "/var/lib/corral/images"
+
+
+def _image_call(op: str, body: dict, timeout: float = 600.0):
+    import asyncio
+
+    import msgspec
+
+    from .client import AsyncClient
+
+    async def go():
+        c = await AsyncClient.connect(config.nats_url(None))
+        try:
+            msg = await c.nc.request(f"corral.v1.image.{op}", msgspec.json.encode(body), timeout=timeout)
+        finally:
+            await c.close()
+        r = msgspec.json.decode(msg.data)
+        if not r.get("ok"):
+            from corral_common.errors import from_code
+
+            raise from_code(r["error"]["code"], r["error"]["message"])
+        return r
+
+    try:
+        return asyncio.run(go())
+    except CorralError as e:
+        _fail(e)
+    except Exception as e:
+        console.print(f"[red]{e}[/red] (is the corral stack running? CORRAL_NATS_URL={config.nats_url(None)})")
+        raise typer.Exit(2) from None
+
+
 @image_app.command("build")
-def image_build(name: str, image_dir: str = typer.Option(None)) -> None:
-    """Build a built-in image (busybox, debian) into the local image store."""
-    root = image_dir or os.environ.get("CORRAL_IMAGE_DIR") or f"{config.state_dir(None)}/images"
-    _exec_module("corral_node_agent.images", ["build", name, "--root", root])
+def image_build(name: str, image_dir: str = typer.Option(None), load: bool = typer.Option(
+        True, help="import into the running stack's image-cache afterwards (if one answers)")) -> None:
+    """Build a built-in image (busybox, debian) on this machine, with progress, and import it."""
+    import subprocess
+
+    rc = subprocess.call([sys.executable, "-m", "corral_image_cache.builtin", "build", name, "--root", _image_root(image_dir)])
+    if rc != 0 or not load:
+        raise typer.Exit(rc)
+    try:
+        from .sync import Client
+
+        Client(config.nats_url(None)).close()
+    except Exception:
+        console.print("no stack running: the image-cache imports it when it starts")
+        raise typer.Exit(0) from None
+    r = _image_call("import", {"name": name, "source": "builtin"})
+    console.print(f"imported {name}: {len(r['image']['layers'])} layer(s), {r['image']['size'] / 2**20:.1f} MiB")
+
+
+@image_app.command("import")
+def image_import(name: str, path: str, source: str = typer.Option("dir", help="dir, tar, docker_archive, upper"),
+                 base: str = typer.Option("", help="compose on top of this image"),
+                 label: list[str] = typer.Option([], help="key=value")) -> None:
+    """Import a directory, tarball or `docker save` archive as a layered image."""
+    body = {"name": name, "source": source, "path": os.path.abspath(path), "base": base,
+            "labels": dict(kv.split("=", 1) for kv in label)}
+    with console.status(f"importing {path}"):
+        r = _image_call("import", body)
+    img = r["image"]
+    console.print(f"{name}: {len(img['layers'])} layer(s), {img['size'] / 2**20:.1f} MiB, uploaded {r['uploaded_bytes'] / 2**20:.1f} MiB")
 
 
 @image_app.command("ls")
-def image_ls(image_dir: str = typer.Option(None)) -> None:
-    """List images in the local image store."""
-    root = image_dir or os.environ.get("CORRAL_IMAGE_DIR") or f"{config.state_dir(None)}/images"
-    _exec_module("corral_node_agent.images", ["ls", "--root", root])
+def image_ls() -> None:
+    """List images in the catalog."""
+    r = _image_call("list", {})
+    t = Table("name", "layers", "size MiB", "parent", "labels")
+    for i in r["images"]:
+        t.add_row(i["name"], str(len(i["layers"])), f"{i.get('size', 0) / 2**20:.1f}", i.get("parent", ""),
+                  ",".join(f"{k}={v}" for k, v in i.get("labels", {}).items()))
+    Console().print(t)
+
+
+@image_app.command("inspect")
+def image_inspect(name: str) -> None:
+    """Show an image's layers and chunks."""
+    import json as _json
+
+    print(_json.dumps(_image_call("inspect", {"name": name}), indent=2))
+
+
+@image_app.command("rm")
+def image_rm(names: list[str]) -> None:
+    """Delete images (and the layers and chunks nothing else uses)."""
+    for n in names:
+        r = _image_call("delete", {"name": n})
+        print(f"{n}: freed {r['freed_layers']} layer(s), {r['freed_chunks']} chunk(s)")
 
 
 @app.command()
@@ -208,6 +299,9 @@ def demo(
                               nats_port=nats_port, report=report, console=Console()))
     raise typer.Exit(rc)
 
+
+from .cli_monitor import register as _register_monitor  # noqa: E402  (alerts, report, monitor)
+_register_monitor(app, PASSTHROUGH)
 
 def main() -> None:
     app()

@@ -9,11 +9,11 @@ from typing import Any
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from corral_common import config, subjects
-from corral_common.errors import NotFound, Timeout, Unavailable, from_code
+from corral_common.errors import InvalidRequest, NotFound, Timeout, Unavailable, from_code
 from corral_common.messages import (
     CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder,
 )
@@ -80,6 +80,9 @@ class AsyncClient:
             raise Unavailable(f"nobody serves {subject}: is the corral stack running?") from None
         except NatsTimeout:
             raise Timeout(f"no reply on {subject} within {timeout:g}s") from None
+        except MaxPayloadError:
+            raise InvalidRequest(f"request of {len(payload)} bytes is larger than the bus allows "
+                                 f"({self.nc.max_payload} bytes); split it (e.g. several files.write calls)") from None
         return _check(msg.data)
 
     # ---------------------------------------------------------------- sandboxes
@@ -103,6 +106,13 @@ class AsyncClient:
         """A handle on an existing sandbox (e.g. one created by another process)."""
         now = 0.0
         return AsyncSandbox(self, SandboxInfo(id=sandbox_id, node="", state="running", substrate="container", image="", created_at=now, expires_at=now))
+
+    @property
+    def alerts(self):
+        """The monitor's alerts: `async with client.alerts.subscribe(job="j") as alerts: async for a in alerts: ...`."""
+        from .alerts import Alerts
+
+        return Alerts(self)
 
 
 class AsyncFiles:

@@ -43,7 +43,7 @@ async def run_demo(count: int, image: str, nodes: int, data_dir: str, nats_port:
     image_dir = os.environ.get("CORRAL_IMAGE_DIR") or f"{data_dir}/images"
     console.rule("[bold]corral demo")
     console.print(f"image [bold]{image}[/bold] (built once and cached in {image_dir})")
-    rc = await asyncio.to_thread(subprocess.call, [sys.executable, "-m", "corral_node_agent.images", "build", image, "--root", image_dir])
+    rc = await asyncio.to_thread(subprocess.call, [sys.executable, "-m", "corral_image_cache.builtin", "build", image, "--root", image_dir])
     if rc != 0:
         console.print(f"[red]building image {image} failed[/red]")
         return 1

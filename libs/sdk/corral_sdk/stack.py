@@ -54,6 +54,7 @@ class Stack:
     metrics_port: int = 0  # 0: free ports; else scheduler on it, node i on it+1+i
     log_dir: str | None = None
     node_args: list[str] = field(default_factory=list)
+    monitor: bool = True  # the monitor, with ClickHouse embedded at <data_dir>/monitor.db
     procs: list[Proc] = field(default_factory=list)
 
     @property
@@ -105,16 +106,32 @@ class Stack:
             self._start("nats-server", [nats_server_binary(), "-c", conf])
             await self._wait_port("127.0.0.1", self.nats_port, timeout)
         py = sys.executable
-        env_img = ["--image-dir", self.image_dir] if self.image_dir else []
+        img = ["--image-dir", self.image_dir] if self.image_dir else []
+        port = self._mport(1)
+        self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.url, "--metrics-port", str(port), *img],
+                    f"http://127.0.0.1:{port}/metrics")
+        await self._wait_request("corral.v1.image.inspect", b'{"name": "busybox"}', timeout)
         port = self._mport(0)
         self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.url, "--metrics-port", str(port)],
                     f"http://127.0.0.1:{port}/metrics")
+        if self.monitor:
+            port = self._mport(2)
+            self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.url, "--clickhouse",
+                                    f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port)],
+                        f"http://127.0.0.1:{port}/metrics")
         for i in range(self.nodes):
-            port = self._mport(1 + i)
             node = f"node-{i + 1}"
+            nd = os.path.join(self.data_dir, "nodes", node)
+            port = self._mport(11 + 2 * i)
+            self._start(f"loader-{i + 1}", [py, "-m", "corral_image_cache.loader", "--nats", self.url, "--node", node,
+                                            "--mount", os.path.join(nd, "fuse"), "--cache-dir", os.path.join(nd, "cache"),
+                                            "--metrics-port", str(port)], f"http://127.0.0.1:{port}/metrics")
+            port = self._mport(10 + 2 * i)
             self._start(node, [py, "-m", "corral_node_agent", "--nats", self.url, "--node", node, "--state-dir", self.data_dir,
-                               "--metrics-port", str(port), *env_img, *self.node_args], f"http://127.0.0.1:{port}/metrics")
+                               "--metrics-port", str(port), *self.node_args], f"http://127.0.0.1:{port}/metrics")
         await self._wait_ready(timeout)
+        if self.monitor:
+            await self._wait_request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout)
 
     async def _wait_port(self, host: str, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -132,6 +149,24 @@ class Stack:
         for p in self.procs:
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}; see {self.log_dir or self.data_dir + '/logs'}/{p.name}.log")
+
+    async def _wait_request(self, subject: str, body: bytes, timeout: float) -> None:
+        """Wait until `subject` answers `{"ok": true, ...}`."""
+        nc = await nats.connect(self.url, connect_timeout=5)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                self._check_alive()
+                try:
+                    r = await nc.request(subject, body, timeout=2)
+                    if r.data.startswith(b'{"ok":true'):
+                        return
+                except Exception:
+                    pass
+                await asyncio.sleep(0.1)
+            raise TimeoutError(f"no ok answer on {subject} after {timeout:g}s")
+        finally:
+            await nc.close()
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready = every node-agent heartbeats and the scheduler answers `list`."""
@@ -167,9 +202,11 @@ class Stack:
 
     async def stop(self, timeout: float = 60.0) -> None:
         """Node-agents first (they destroy their sandboxes), then the scheduler, then NATS."""
-        services = [p for p in self.procs if p.name != "nats-server"]
+        nodes = [p for p in self.procs if p.name.startswith("node-")]
+        loaders = [p for p in self.procs if p.name.startswith("loader-")]
+        services = [p for p in self.procs if p not in nodes and p not in loaders and p.name != "nats-server"]
         servers = [p for p in self.procs if p.name == "nats-server"]
-        for group in (services, servers):
+        for group in (nodes, loaders, services, servers):
             for p in group:
                 if p.popen.poll() is None:
                     p.popen.send_signal(signal.SIGTERM)

@@ -21,7 +21,6 @@ def main(
     nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
     node: str = typer.Option(None, help="node id (default $CORRAL_NODE or the host name)"),
     state_dir: str = typer.Option(None, help="state directory (default $CORRAL_STATE_DIR or /var/lib/corral)"),
-    image_dir: str = typer.Option(None, help="image directory (default <state-dir>/images)"),
     substrate: list[str] = typer.Option(["container"], help="substrates to enable"),
     cpu: float = typer.Option(0.0, help="schedulable CPU (0: cores x --cpu-overcommit)"),
     cpu_overcommit: float = typer.Option(config.env_float("CORRAL_CPU_OVERCOMMIT", 8.0)),
@@ -31,7 +30,7 @@ def main(
     metrics_host: str = typer.Option("127.0.0.1"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
-    preload: list[str] = typer.Option(["busybox"], help="images to make sure of at start"),
+    loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
@@ -39,10 +38,10 @@ def main(
     sdir = config.state_dir(state_dir)
     logs.setup("node-agent", log_level, node=node)
     cfg = AgentConfig(
-        nats_url=config.nats_url(nats), node=node, state_dir=sdir, image_dir=image_dir or os.environ.get("CORRAL_IMAGE_DIR") or f"{sdir}/images",
+        nats_url=config.nats_url(nats), node=node, state_dir=sdir,
         substrates=substrate, cpu=cpu, cpu_overcommit=cpu_overcommit, memory_mb=memory_mb, max_sandboxes=max_sandboxes,
         heartbeat_s=heartbeat_s, metrics_host=metrics_host, metrics_port=metrics_port,
-        keep_sandboxes_on_exit=keep_sandboxes_on_exit, preload_images=preload,
+        keep_sandboxes_on_exit=keep_sandboxes_on_exit, loader_wait_s=loader_wait_s,
     )
 
     async def run() -> None:

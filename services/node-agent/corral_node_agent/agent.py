@@ -18,15 +18,16 @@ import msgspec
 from nats.aio.msg import Msg
 
 from corral_common import bus, logs, metrics, subjects
+from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
 from corral_common.audit import AuditEvent, event_id
 from corral_common.errors import Capacity, CorralError, InvalidRequest, NotFound, Unavailable
 from corral_common.messages import (
     Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
-    NodeCapacity, NodeCreate, NodeUsage, SandboxInfo, encoder, ok,
+    NodeCapacity, NodeCreate, NodeUsage, SandboxInfo, SnapshotRequest, encoder, ok,
 )
 
 from .auditlog import AuditLog
-from .images import ImageStore
+from .layermounts import LayerMounts
 from .substrates import REGISTRY, Substrate
 from .substrates.base import Sandbox
 
@@ -49,7 +50,6 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     nats_url: str
     node: str
     state_dir: str
-    image_dir: str
     substrates: list[str] = msgspec.field(default_factory=lambda: ["container"])
     cpu: float = 0.0  # 0: cores x cpu_overcommit
     cpu_overcommit: float = 8.0
@@ -59,7 +59,7 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     keep_sandboxes_on_exit: bool = False
-    preload_images: list[str] = msgspec.field(default_factory=lambda: ["busybox"])
+    loader_wait_s: float = 60.0
 
 
 def _mem_total_mb() -> int:
@@ -75,7 +75,6 @@ class NodeAgent:
         self.cfg = cfg
         self.node = cfg.node
         self.state_dir = f"{cfg.state_dir}/nodes/{cfg.node}"
-        self.images = ImageStore(cfg.image_dir)
         self.substrates: dict[str, Substrate] = {}
         self.sandboxes: dict[str, Sandbox] = {}
         self.substrate_of: dict[str, Substrate] = {}
@@ -96,20 +95,21 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         os.makedirs(self.state_dir, exist_ok=True)
-        for name in self.cfg.substrates:
-            cls = REGISTRY.get(name)
-            if cls is None:
-                raise SystemExit(f"unknown substrate {name!r}; known: {', '.join(REGISTRY)}")
-            sub = cls(self.node, self.state_dir, self.images)  # type: ignore[call-arg]
-            await sub.start()
-            self.substrates[name] = sub
-        for image in self.cfg.preload_images:
-            await asyncio.to_thread(self.images.ensure, image)
         self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
         self.nc = await bus.connect(self.cfg.nats_url, name=f"corral-node-agent-{self.node}")
         self.js = self.nc.jetstream()
         await bus.ensure_streams(self.js)
         self.placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
+        self.catalog = await Catalog(self.js).open()
+        self.layers = LayerMounts(self.nc, self.catalog, self.node, f"{self.state_dir}/layers")
+        await self._wait_loader()
+        for name in self.cfg.substrates:
+            cls = REGISTRY.get(name)
+            if cls is None:
+                raise SystemExit(f"unknown substrate {name!r}; known: {', '.join(REGISTRY)}")
+            sub = cls(self.node, self.state_dir, self.layers)  # type: ignore[call-arg]
+            await sub.start()
+            self.substrates[name] = sub
         self.responder = bus.Responder(self.nc, "node-agent")
         self.audit = AuditLog(self.js, self.node)
         self.audit.start()
@@ -135,6 +135,8 @@ class NodeAgent:
             t.cancel()
         for sub in self.substrates.values():
             await sub.close()
+        if not self.cfg.keep_sandboxes_on_exit:
+            await self.layers.close()
         await self.audit.close()
         try:
             await self.nc.drain()
@@ -142,6 +144,19 @@ class NodeAgent:
             pass
         metrics.UP.labels("node-agent").set(0)
         logs.kv(log, logging.INFO, "node-agent stopped", node=self.node, kept=len(self.sandboxes))
+
+    async def _wait_loader(self) -> None:
+        """Sandboxes need the node's image loader (image-cache); wait for it, say so if absent."""
+        deadline = time.monotonic() + self.cfg.loader_wait_s
+        warned = False
+        while not await self.layers.ping():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no image loader answers on corral.node.{self.node}.loader.*: start "
+                                 f"`corral image-loader --node {self.node}` (corral up does)")
+            if not warned:
+                logs.kv(log, logging.WARNING, "waiting for the node's image loader", node=self.node)
+                warned = True
+            await asyncio.sleep(0.2)
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -191,7 +206,7 @@ class NodeAgent:
                            f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         if req.sandbox_id in self.sandboxes:
             return ok(sandbox=self.sandboxes[req.sandbox_id].info)
-        self.images.path(spec.image)  # NotFound with the list of images, before any work
+        await self.catalog.image(spec.image)  # NotFound with the list of images, before any work
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
@@ -272,7 +287,7 @@ class NodeAgent:
                 await self.placements.put(sid, encoder.encode(sb.info))
                 return ok(sandbox=sb.info)
             if op == "snapshot":
-                raise Unavailable("snapshots arrive with the image-cache and trajectory work (issues 3 and 5)")
+                return await self._snapshot(msg, sb, sub)
             raise InvalidRequest(f"unknown sandbox operation {op!r}; known: {', '.join(subjects.SANDBOX_OPS)}")
 
         return handle
@@ -316,6 +331,34 @@ class NodeAgent:
             detail={"oom_killed": "1"} if result.oom_killed else {},
         ))
         return ok(result=result)
+
+    async def _snapshot(self, msg: Msg, sb: Sandbox, sub: Substrate) -> bytes:
+        """Turn the sandbox's writable layer into an image layer on top of its image's layers.
+
+        The sandbox is frozen while the layer is built so the snapshot is consistent, then thawed;
+        the new image can be started on any node (the chunks go to the shared chunk store)."""
+        req = bus.decode(msg.data, SnapshotRequest)
+        name = req.name or f"snap-{sb.id}-{int(time.time() * 1000)}"
+        check_image_name(name)
+        upper, layers = await sub.snapshot_dir(sb)
+        was_paused = sb.info.state == "paused"
+        t0 = time.perf_counter()
+        if not was_paused:
+            await sub.pause(sb)
+        try:
+            layer, uploaded = await build_layer(upper, ObjectStoreBackend(self.js), source=f"snapshot:{sb.id}",
+                                                work_dir=self.state_dir, exclude=[".corral"])
+        finally:
+            if not was_paused:
+                await sub.resume(sb)
+        await self.catalog.put_layer(layer)
+        sizes = [(await self.catalog.layer(d)).size for d in layers]
+        image = ImageManifest(name=name, layers=[*layers, layer.digest], created_at=time.time(), size=sum(sizes) + layer.size,
+                              labels={**req.labels, "snapshot_of": sb.id}, parent=sb.info.image)
+        await self.catalog.put_image(image)
+        logs.kv(log, logging.INFO, "snapshot", sandbox=sb.id, image=name, size=layer.size, uploaded=uploaded,
+                seconds=round(time.perf_counter() - t0, 3))
+        return ok(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
 
     async def destroy(self, sid: str, reason: str) -> None:
         sb = self.sandboxes.get(sid)
@@ -379,7 +422,7 @@ class NodeAgent:
             node=self.node, ts=time.time(), capacity=self.capacity,
             usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=len(self.sandboxes),
                             requested_cpu=cpu, requested_memory_mb=mem),
-            substrates=list(self.substrates), images=self.images.list(), metrics_url=self.metrics_url, stopping=stopping,
+            substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
         )
         try:
             await self.nc.publish(subjects.NODE_HEARTBEAT, encoder.encode(hb))

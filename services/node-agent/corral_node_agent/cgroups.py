@@ -98,6 +98,13 @@ class Cgroups:
     def pids_current(self) -> int:
         return _read_int(self.path("pids", "pids.current"))
 
+    def thaw(self) -> None:
+        """A frozen (paused) sandbox cannot act on SIGKILL until thawed."""
+        if self.v2:
+            _write(self.path("", "cgroup.freeze"), "0")
+        else:
+            _write(self.path("freezer", "freezer.state"), "THAWED")
+
     def wait_empty(self, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

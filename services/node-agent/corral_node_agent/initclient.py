@@ -75,6 +75,30 @@ async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, s
     return Spawned(sock, pid)
 
 
+async def ping(ctl_path: str, timeout: float = 30.0) -> None:
+    """Wait until the sandbox's init has exec'd and answers (create waits for this: ready means
+    ready, not merely "runc returned")."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, ctl_path)
+            await loop.sock_sendall(sock, struct.pack("<I", 4) + b"1\x000\x00")
+            buf = b""
+            while len(buf) < 4:
+                chunk = await loop.sock_recv(sock, 4 - len(buf))
+                if not chunk:
+                    raise InitError("sandbox helper closed the connection")
+                buf += chunk
+    except (OSError, TimeoutError) as e:
+        raise InitError(f"sandbox helper did not answer: {e!r}") from e
+    finally:
+        sock.close()
+    if struct.unpack("<I", buf)[0] != 1:
+        raise InitError("sandbox helper gave an unexpected ping reply")
+
+
 async def _sendmsg(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, fds: list[int]) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     while True:

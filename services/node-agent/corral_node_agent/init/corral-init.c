@@ -11,6 +11,8 @@
  *   request:  u32 little-endian payload length, then the payload, with SCM_RIGHTS fds on the first
  *             byte: [stdin, stdout, stderr, cgroup.procs fds...]. Payload is NUL-terminated tokens:
  *             "1", argc, argv..., envc, env..., cwd, ncgroup.
+ *             A payload of just "1", "0" (argc 0, no fds) is a ping: the reply is u32 1, so the
+ *             node-agent knows init has exec'd and serves requests.
  *   replies:  u32 pid (as seen inside the sandbox) once the child is forked, or 0 on failure;
  *             then i32 wait status when the child exits; then the connection is closed.
  * The child moves itself into the per-exec cgroups by writing "0" to the cgroup.procs fds the
@@ -99,10 +101,17 @@ static void spawn(int conn) {
     }
     char *payload = NULL;
     char **argv = NULL, **envp = NULL;
-    if (len == 0 || len > MAX_PAYLOAD || nfds < 3) goto fail;
+    if (len == 0 || len > MAX_PAYLOAD) goto fail;
     payload = malloc(len + 1);
     if (!payload || read_full(conn, payload, len) < 0) goto fail;
     payload[len] = 0;
+    if (nfds == 0 && len == 4 && memcmp(payload, "1\0" "0\0", 4) == 0) {
+        free(payload);
+        reply_u32(conn, 1);
+        close(conn);
+        return;
+    }
+    if (nfds < 3) goto fail;
     /* tokenise */
     char *p = payload, *end = payload + len;
 #define NEXT() ({ char *_t = p; if (p >= end) goto fail; p += strlen(p) + 1; _t; })

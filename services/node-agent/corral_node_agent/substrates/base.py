@@ -64,6 +64,13 @@ class Substrate(abc.ABC):
     @abc.abstractmethod
     async def destroy(self, sb: Sandbox) -> None: ...
 
+    async def snapshot_dir(self, sb: Sandbox) -> tuple[str, list[str]]:
+        """The sandbox's writable layer as a directory in overlayfs format (whiteouts as 0/0
+        devices), and the image layers below it. The caller freezes the sandbox around reading it."""
+        from corral_common.errors import InvalidRequest
+
+        raise InvalidRequest(f"substrate {self.name!r} cannot snapshot")
+
     @abc.abstractmethod
     async def usage(self, sb: Sandbox) -> Usage: ...
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import itertools
 import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -21,12 +23,14 @@ import time
 
 import msgspec
 
-from corral_common.errors import Conflict, Internal, InvalidRequest, Unavailable
+from corral_common.errors import Code, Conflict, CorralError, Internal, InvalidRequest, Unavailable
 from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
-from .. import cgroups, confine, initclient, linux, oci
-from ..images import ImageStore
+from corral_common import linux
+
+from .. import cgroups, confine, initclient, oci
 from ..initbin import ensure_init_binary
+from ..layermounts import LayerMounts
 from ..output import PipeReader
 from ..sessions import Session
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
@@ -47,11 +51,13 @@ class Record(msgspec.Struct, kw_only=True):
     info: SandboxInfo
     spec: SandboxSpec
     init_pid: int
+    layers: list[str] = []
 
 
 class ContainerSandbox(Sandbox):
-    def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups, init_pid: int):
+    def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups, init_pid: int, layers: list[str]):
         super().__init__(info, spec)
+        self.layers = layers
         self.sdir = sdir
         self.rootfs = f"{sdir}/rootfs"
         self.ctl = f"{sdir}/ctl.sock"
@@ -76,14 +82,17 @@ class ContainerSandbox(Sandbox):
 class ContainerSubstrate(Substrate):
     name = "container"
 
-    def __init__(self, node: str, state_dir: str, images: ImageStore, runc: str = "runc"):
+    def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc"):
         self.node = node
         self.state_dir = state_dir
         self.sandboxes_dir = f"{state_dir}/sandboxes"
         self.runc_root = f"{state_dir}/runc"
-        self.images = images
+        self.layers = layers
         self.runc = shutil.which(runc) or runc
-        self.cgroup_parent = f"/corral/{node}"
+        # unique per state dir: two stacks on one host may both have a "node-1", and each
+        # node-agent's reconciliation sweeps everything under its own parent
+        tag = hashlib.sha256(os.path.abspath(state_dir).encode()).hexdigest()[:8]
+        self.cgroup_parent = f"/corral/{node}-{tag}"
         self.init_path = ""
 
     async def start(self) -> None:
@@ -93,31 +102,41 @@ class ContainerSubstrate(Substrate):
             raise Unavailable("the container substrate needs root (mounts, cgroups, runc)")
         os.makedirs(self.sandboxes_dir, exist_ok=True)
         os.makedirs(self.runc_root, exist_ok=True)
+        linux.set_child_subreaper()
+        with open(f"{self.state_dir}/cgroup-parent", "w") as f:
+            f.write(self.cgroup_parent + "\n")
         self.init_path = await asyncio.to_thread(ensure_init_binary, f"{self.state_dir}/bin")
 
     # ------------------------------------------------------------------ lifecycle
 
     async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
-        lower = self.images.path(spec.image)
+        lowers, layers = await self.layers.acquire(spec.image)
         sid = info.id
         sdir = f"{self.sandboxes_dir}/{sid}"
         cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
         try:
-            return await self._create(info, spec, lower, sdir, cg)
+            return await self._create(info, spec, ":".join(lowers), layers, sdir, cg)
         except BaseException:
-            await asyncio.shield(asyncio.to_thread(self._teardown, sid, sdir, cg, None))
+            await asyncio.shield(self._teardown_async(sid, sdir, cg, None, layers))
             raise
 
-    async def _create(self, info: SandboxInfo, spec: SandboxSpec, lower: str, sdir: str, cg: cgroups.Cgroups) -> ContainerSandbox:
+    async def _teardown_async(self, sid: str, sdir: str, cg: cgroups.Cgroups, pidfd: int | None, layers: list[str]) -> None:
+        await asyncio.to_thread(self._teardown, sid, sdir, cg, pidfd)
+        await self.layers.release(layers)
+
+    async def _create(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str, cg: cgroups.Cgroups) -> ContainerSandbox:
         sid = info.id
-        os.makedirs(f"{sdir}/rw", exist_ok=False)
+        os.makedirs(sdir, mode=0o700, exist_ok=False)
+        os.makedirs(f"{sdir}/rw")
         os.makedirs(f"{sdir}/rootfs")
         os.makedirs(f"{sdir}/io", mode=0o755)
         linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m,mode=755")
         os.mkdir(f"{sdir}/rw/upper", 0o755)
         os.mkdir(f"{sdir}/rw/work", 0o755)
+        # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
+        # to root for a host user who can reach the state dir
         linux.mount(
-            "overlay", f"{sdir}/rootfs", "overlay", 0,
+            "overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV,
             f"lowerdir={lower},upperdir={sdir}/rw/upper,workdir={sdir}/rw/work",
         )
         if spec.workdir not in ("", "/"):
@@ -148,7 +167,11 @@ class ContainerSubstrate(Substrate):
         with open(f"{sdir}/init.pid") as f:
             init_pid = int(f.read().strip())
         linux.loopback_up(init_pid)
-        sb = ContainerSandbox(info, spec, sdir, cg, init_pid)
+        try:
+            await initclient.ping(f"{sdir}/ctl.sock")
+        except initclient.InitError as e:
+            raise Internal(f"sandbox {sid} started but its init does not answer: {e}") from None
+        sb = ContainerSandbox(info, spec, sdir, cg, init_pid, layers)
         self._persist(sb)
         return sb
 
@@ -189,8 +212,8 @@ class ContainerSubstrate(Substrate):
         for s in sb.sessions.values():
             s.close()
         sb.sessions.clear()
-        await asyncio.to_thread(self._teardown, sb.id, sb.sdir, sb.cg, sb.pidfd)
-        sb.pidfd = None
+        pidfd, sb.pidfd = sb.pidfd, None
+        await self._teardown_async(sb.id, sb.sdir, sb.cg, pidfd, sb.layers)
 
     def _teardown(self, sid: str, sdir: str, cg: cgroups.Cgroups, pidfd: int | None) -> None:
         """Kill, unmount, remove cgroups and files. Safe to call on a half-created sandbox and
@@ -198,7 +221,10 @@ class ContainerSubstrate(Substrate):
         if pidfd is not None:
             try:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except OSError:
+                cg.thaw()
+                select.select([pidfd], [], [], 10)
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # ours as subreaper: reap it
+            except (OSError, ChildProcessError):
                 pass
             os.close(pidfd)
         # killing PID 1 takes the whole pid namespace down; the cgroup sweep catches stragglers
@@ -216,8 +242,12 @@ class ContainerSubstrate(Substrate):
     def _persist(self, sb: ContainerSandbox) -> None:
         tmp = f"{sb.sdir}/sandbox.json.tmp"
         with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(Record(info=sb.info, spec=sb.spec, init_pid=sb.init_pid)))
+            f.write(msgspec.json.encode(Record(info=sb.info, spec=sb.spec, init_pid=sb.init_pid, layers=sb.layers)))
         os.replace(tmp, f"{sb.sdir}/sandbox.json")
+
+    async def snapshot_dir(self, sb: Sandbox) -> tuple[str, list[str]]:
+        assert isinstance(sb, ContainerSandbox)
+        return f"{sb.sdir}/rw/upper", list(sb.layers)
 
     # ------------------------------------------------------------------ exec
 
@@ -385,12 +415,21 @@ class ContainerSubstrate(Substrate):
         await self._runc_simple("resume", sb.id)
         sb.paused = False
 
-    async def _runc_simple(self, verb: str, sid: str) -> None:
+    async def _runc_simple(self, verb: str, sid: str, timeout: float = 15.0) -> None:
         p = await asyncio.create_subprocess_exec(
             self.runc, "--root", self.runc_root, verb, sid,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         )
-        _, err = await p.communicate()
+        try:
+            _, err = await asyncio.wait_for(p.communicate(), timeout)
+        except TimeoutError:
+            # a process stuck in uninterruptible sleep (e.g. a FUSE read) cannot be frozen:
+            # give up and make sure the sandbox is left running
+            p.kill()
+            await p.wait()
+            if verb == "pause":
+                await self._runc_simple("resume", sid, timeout)
+            raise CorralError(f"runc {verb} {sid} did not finish within {timeout:g}s", Code.TIMEOUT) from None
         if p.returncode != 0:
             raise Internal(f"runc {verb} {sid} failed: {err.decode(errors='replace').strip()}")
 
@@ -401,7 +440,11 @@ class ContainerSubstrate(Substrate):
     # ------------------------------------------------------------------ crash recovery
 
     async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
-        return await asyncio.to_thread(self._reconcile)
+        adopted, report = await asyncio.to_thread(self._reconcile)
+        removed = await self.layers.adopt([sb.layers for sb in adopted if isinstance(sb, ContainerSandbox)])
+        if removed:
+            report.notes.append(f"unmounted {len(removed)} unused layer mount(s)")
+        return adopted, report
 
     def _reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
         report = AdoptReport()
@@ -415,7 +458,7 @@ class ContainerSubstrate(Substrate):
             rec = _load_record(f"{sdir}/sandbox.json")
             st = runc_states.get(sid)
             if rec is not None and st is not None and st.get("status") in ("running", "paused") and _responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
-                sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid))
+                sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid), rec.layers)
                 sb.paused = st.get("status") == "paused"
                 for group in cg.exec_groups():
                     # background processes from before the restart keep running (a server the

@@ -43,6 +43,16 @@ def umount(target: str, detach: bool = False) -> None:
     _check(_libc.umount2(target.encode(), MNT_DETACH if detach else 0), f"umount {target}")
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_child_subreaper() -> None:
+    """Orphans below us (a container's init once `runc run -d` exits) are re-parented to us
+    instead of the host's PID 1, so we can reap them and know they are fully gone."""
+    _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
 def setns(fd: int, nstype: int) -> None:
     _check(_libc.setns(fd, nstype), "setns")
 

@@ -12,7 +12,7 @@ minbase bookworm with python3 and git, ~40 s, ~380 MB).
 A later issue replaces this with layered, lazily loaded EROFS images; keep the interface small:
 `ImageStore(root).path(name)`, `.list()`, `.ensure(name, progress)`.
 
-CLI: `python -m corral_node_agent.images build NAME [--root DIR]` and `... ls [--root DIR]`.
+CLI: `python -m corral_image_cache.builtin build NAME [--root DIR]` and `... ls [--root DIR]`.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class ImageStore:
         msg = f"unknown image {name!r}; available: {', '.join(self.list()) or 'none'}"
         if name in BUILDERS:
             msg += (f" (built-in image {name!r} is not built yet: "
-                    f"run `python -m corral_node_agent.images build {name} --root {self.root}`)")
+                    f"run `python -m corral_image_cache.builtin build {name} --root {self.root}`)")
         return msg
 
     # ---- building
@@ -225,7 +225,7 @@ def remove_tree(path: str) -> None:
     descend into a host filesystem."""
     if not os.path.lexists(path):
         return
-    from corral_node_agent import linux
+    from corral_common import linux
 
     real = os.path.realpath(path)
     for mp in linux.mounted_under(real):
@@ -620,7 +620,7 @@ def _cmd_ls(store: ImageStore) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m corral_node_agent.images",
+    ap = argparse.ArgumentParser(prog="python -m corral_image_cache.builtin",
                                  description="corral node-agent directory image store")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help=f"build a built-in image ({', '.join(sorted(BUILDERS))}) if missing")

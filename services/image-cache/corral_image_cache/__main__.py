@@ -1,0 +1,43 @@
+"""`python -m corral_image_cache`: the image registry service (`corral image-cache`)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import typer
+
+from corral_common import config, logs
+
+from .service import ImageCache, ImageCacheConfig
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
+    image_dir: str = typer.Option(None, help="where built-in rootfs trees are built and cached (default $CORRAL_IMAGE_DIR or /var/lib/corral/images)"),
+    chunk_backend: str = typer.Option("nats", help="'nats' (JetStream object store) or dir:///path"),
+    builtin: list[str] = typer.Option(["busybox", "debian"], help="built-in images to import at start (debian only if already built)"),
+    work_dir: str = typer.Option(None, help="scratch space for unpacking and mkfs.erofs"),
+    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    logs.setup("image-cache", log_level)
+    cfg = ImageCacheConfig(nats_url=config.nats_url(nats), image_dir=image_dir or os.environ.get("CORRAL_IMAGE_DIR") or "/var/lib/corral/images",
+                           chunk_backend=chunk_backend, builtins=builtin, work_dir=work_dir, metrics_host=metrics_host, metrics_port=metrics_port)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        await ImageCache(cfg).run(stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    app()

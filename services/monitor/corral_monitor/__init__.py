@@ -1,0 +1,1 @@
+"""corral monitor: audit events into ClickHouse, detection rules, alerts on the bus."""

@@ -1,0 +1,58 @@
+"""`python -m corral_monitor`: run the monitor (the CLI's `corral monitor` execs this).
+
+    python -m corral_monitor --nats nats://127.0.0.1:4222 --clickhouse chdb:///var/lib/corral/monitor.db --metrics-port 9103
+    python -m corral_monitor --clickhouse http://corral:secret@clickhouse:8123
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import typer
+
+from corral_common import config, logs
+
+from .service import Monitor, MonitorConfig
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
+    clickhouse: str = typer.Option(None, help="ClickHouse DSN: chdb:///path (embedded, default chdb://<state-dir>/monitor.db) "
+                                              "or http://user:pass@host:8123 (default $CORRAL_CLICKHOUSE)"),
+    state_dir: str = typer.Option(None, help="state directory (default $CORRAL_STATE_DIR or /var/lib/corral)"),
+    database: str = typer.Option(config.env_str("CORRAL_CLICKHOUSE_DATABASE", "default")),
+    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
+    workers: int = typer.Option(1, min=1, max=64, help="concurrent fetch/insert loops on the audit stream"),
+    batch: int = typer.Option(256, min=1, max=10_000, help="messages per fetch"),
+    ack_wait_s: float = typer.Option(30.0, help="redeliver a batch not acked within this time (e.g. after a crash)"),
+    alert_window_s: float = typer.Option(30.0, help="at most one alert per (rule, sandbox) per this many seconds"),
+    protected_path: list[str] = typer.Option([], help="paths protected in every sandbox (alert on any access)"),
+    canary: list[str] = typer.Option([], help="decoy paths in every sandbox (alert on any read)"),
+    ttl_days: int = typer.Option(0, help="retention of every table in days (0: 30 for events, 180 for alerts)"),
+    rule: list[str] = typer.Option([], help="enable only these rules (default: all)"),
+    fault: str = typer.Option(os.environ.get("CORRAL_MONITOR_FAULT", ""), hidden=True, help="fault injection for tests"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    logs.setup("monitor", log_level)
+    dsn = clickhouse or os.environ.get("CORRAL_CLICKHOUSE") or f"chdb://{os.path.abspath(config.state_dir(state_dir))}/monitor.db"
+    cfg = MonitorConfig(nats_url=config.nats_url(nats), clickhouse=dsn, database=database, metrics_host=metrics_host,
+                        metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, alert_window_s=alert_window_s,
+                        protected_paths=protected_path, canaries=canary, ttl_days=ttl_days, rules=rule, fault=fault)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        await Monitor(cfg).run(stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    app()

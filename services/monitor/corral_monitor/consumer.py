@@ -1,0 +1,421 @@
+"""Durable JetStream pull consumers that batch the audit stream (CORRAL_AUDIT) and the lifecycle
+stream (CORRAL_EVENTS) into ClickHouse.
+
+For each fetched batch: decode (malformed messages, and malformed events inside an otherwise good
+batch, are counted and dead-lettered to `corral.monitor.deadletter`, then acked: never fatal),
+drop duplicates, insert, run the detection rules, publish their alerts, and only then ack. A
+crash anywhere before the ack means JetStream redelivers the batch; a redelivered message
+(`num_delivered > 1`) has its ids checked against each table before inserting, so a row is never
+stored twice, and alert ids are deterministic, so an alert is not raised twice either."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, FetchTimeoutError
+
+from corral_common import metrics
+from corral_common.audit import AuditEvent
+
+from .store import ExecRow, SandboxEventRow, Store
+
+log = logging.getLogger("corral.monitor.consumer")
+
+DEADLETTER_SUBJECT = "corral.monitor.deadletter"
+DEADLETTER_STREAM = "CORRAL_DEADLETTER"
+
+ROWS = metrics.counter("corral_monitor_rows_inserted_total", "Rows inserted into ClickHouse", ("table",))
+EVENTS = metrics.counter("corral_monitor_events_ingested_total", "Events ingested (new, stored)", ("stream",))
+DUPLICATES = metrics.counter("corral_monitor_duplicates_total", "Events dropped as already stored", ("stream",))
+MALFORMED = metrics.counter("corral_monitor_malformed_total", "Malformed messages or events (dead-lettered)", ("stream", "reason"))
+DEADLETTERED = metrics.counter("corral_monitor_deadlettered_total", "Messages published to the dead-letter stream", ("stream",))
+BATCH_FAILURES = metrics.counter("corral_monitor_batch_failures_total", "Batches that failed and will be redelivered", ("stream",))
+BATCH_SECONDS = metrics.histogram("corral_monitor_batch_seconds", "Time to process one fetched batch", ("stream",),
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+INSERT_SECONDS = metrics.histogram("corral_monitor_insert_seconds", "ClickHouse insert time", ("table",),
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+PENDING = metrics.gauge("corral_monitor_pending_messages", "Messages in the stream not yet delivered to the monitor", ("stream",))
+LAG = metrics.gauge("corral_monitor_lag_seconds", "Age of the newest event in the last batch when it was stored", ("stream",))
+
+MIN_TS, MAX_TS = 946_684_800.0, 4_102_444_800.0  # 2000-01-01 .. 2100-01-01
+
+
+class RecentIds:
+    """Ids stored by this process lately (two generations, bounded): catches a publisher's duplicate
+    (the same event in two messages) without a query."""
+
+    def __init__(self, size: int = 500_000):
+        self.size = size
+        self.cur: set[str] = set()
+        self.old: set[str] = set()
+
+    def __contains__(self, k: str) -> bool:
+        return k in self.cur or k in self.old
+
+    def add_all(self, ks: list[str]) -> None:
+        self.cur.update(ks)
+        if len(self.cur) > self.size:
+            self.old, self.cur = self.cur, set()
+
+
+class Fault:
+    """Fault injection for tests: `crash-after-insert:N` exits (like kill -9) right after the N-th
+    audit insert, before anything is acked."""
+
+    def __init__(self, spec: str = ""):
+        self.kind, _, n = spec.partition(":")
+        self.n = int(n) if n else 0
+        self.count = 0
+
+    def hit(self, kind: str) -> None:
+        if self.kind == kind:
+            self.count += 1
+            if self.count >= self.n:
+                log.warning("fault injection: exiting", extra={"fields": {"fault": kind, "after": self.count}})
+                logging.shutdown()
+                os._exit(137)
+
+
+# ----------------------------------------------------------------------------- dead letters
+
+
+class DeadLetters:
+    def __init__(self, js: JetStreamContext):
+        self.js = js
+
+    async def ensure(self) -> None:
+        cfg = StreamConfig(name=DEADLETTER_STREAM, subjects=[DEADLETTER_SUBJECT], storage=StorageType.FILE, max_age=30 * 86400)
+        try:
+            await self.js.add_stream(cfg)
+        except BadRequestError:
+            await self.js.update_stream(cfg)
+
+    async def put(self, stream: str, msg: Msg, data: bytes, reason: str, error: str) -> None:
+        md = msg.metadata
+        headers = {
+            "Corral-Source-Stream": stream,
+            "Corral-Source-Subject": msg.subject,
+            "Corral-Source-Seq": str(md.sequence.stream),
+            "Corral-Reason": reason,
+            "Corral-Error": error.replace("\r", " ").replace("\n", " ")[:500],
+            # the same bad message redelivered is one dead letter
+            "Nats-Msg-Id": f"dl-{stream}-{md.sequence.stream}-{hashlib.blake2b(data, digest_size=8).hexdigest()}",
+        }
+        await self.js.publish(DEADLETTER_SUBJECT, data, headers=headers, timeout=5)
+        MALFORMED.labels(stream, reason).inc()
+        DEADLETTERED.labels(stream).inc()
+        log.warning("dead-lettered", extra={"fields": {"stream": stream, "subject": msg.subject, "reason": reason, "error": error[:300]}})
+
+
+# ----------------------------------------------------------------------------- pull loop
+
+
+Handler = Callable[[list[Msg]], Awaitable[None]]
+
+
+class PullConsumer:
+    """`workers` concurrent fetch loops on one durable pull consumer; a batch is acked only after
+    `handler` returned; if it raises, the batch is nak'ed with a delay and redelivered."""
+
+    def __init__(self, js: JetStreamContext, stream: str, durable: str, subject: str, handler: Handler, *,
+                 batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
+                 fetch_timeout_s: float = 1.0):
+        self.js = js
+        self.stream = stream
+        self.durable = durable
+        self.subject = subject
+        self.handler = handler
+        self.batch = batch
+        self.workers = workers
+        self.ack_wait_s = ack_wait_s
+        self.max_ack_pending = max_ack_pending
+        self.fetch_timeout_s = fetch_timeout_s
+        self.subs: list[Any] = []
+
+    async def setup(self) -> None:
+        cfg = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                             ack_wait=self.ack_wait_s, max_ack_pending=self.max_ack_pending, filter_subject=self.subject,
+                             max_deliver=-1)
+        try:
+            await self.js.add_consumer(self.stream, cfg)  # creates, or updates the existing durable's settings
+        except BadRequestError as e:
+            log.warning("could not update the durable consumer; keeping its settings",
+                        extra={"fields": {"stream": self.stream, "durable": self.durable, "error": str(e)}})
+        for _ in range(self.workers):
+            self.subs.append(await self.js.pull_subscribe_bind(self.durable, self.stream))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(self._work(sub, stop) for sub in self.subs))
+
+    async def _work(self, sub: Any, stop: asyncio.Event) -> None:
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+            except (TimeoutError, asyncio.TimeoutError, NatsTimeout, FetchTimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("fetch failed", extra={"fields": {"stream": self.stream, "error": repr(e)}})
+                await asyncio.sleep(0.5)
+                continue
+            if not msgs:
+                continue
+            try:
+                PENDING.labels(self.stream).set(msgs[-1].metadata.num_pending)
+            except Exception:
+                pass
+            t0 = time.perf_counter()
+            try:
+                await self.handler(msgs)
+            except Exception as e:
+                BATCH_FAILURES.labels(self.stream).inc()
+                log.exception("batch failed; it will be redelivered", extra={"fields": {"stream": self.stream, "messages": len(msgs), "error": repr(e)}})
+                for m in msgs:
+                    try:
+                        await m.nak(delay=min(backoff * 4, 5.0))
+                    except Exception:
+                        pass
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            for m in msgs:
+                try:
+                    await m.ack()
+                except Exception:
+                    pass  # the batch comes back; its ids are found and skipped
+            BATCH_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        for s in self.subs:
+            try:
+                await s.unsubscribe()
+            except Exception:
+                pass
+
+
+# ----------------------------------------------------------------------------- audit ingestion
+
+
+class _RawBatch(msgspec.Struct):
+    events: list[msgspec.Raw]
+
+
+_batch_decoder = msgspec.json.Decoder(type=_RawBatch)
+_event_decoder = msgspec.json.Decoder(type=AuditEvent)
+
+
+def _check(ev: AuditEvent) -> str:
+    if not ev.id or len(ev.id) > 128:
+        return "id must be a non-empty string of at most 128 characters"
+    if not (MIN_TS <= ev.ts <= MAX_TS):
+        return f"ts {ev.ts!r} is not a plausible unix time"
+    if not ev.sandbox or not ev.node:
+        return "node and sandbox must be set"
+    return ""
+
+
+def exec_row(ev: AuditEvent) -> ExecRow:
+    return ExecRow(id=ev.id, ts=ev.ts, node=ev.node, sandbox=ev.sandbox, job=ev.job, cmd=ev.cmd, cwd=ev.cwd,
+                   session=ev.session, exit_code=ev.exit_code if ev.exit_code is not None else -1,
+                   duration_ms=ev.duration_ms, stdout_bytes=ev.stdout_bytes, stderr_bytes=ev.stderr_bytes,
+                   timed_out=ev.timed_out, oom_killed=ev.detail.get("oom_killed") == "1", labels=ev.labels)
+
+
+OnEvents = Callable[[list[AuditEvent], bool], Awaitable[None]]
+
+
+class AuditIngest:
+    """Handler for CORRAL_AUDIT batches. `on_events(events, maybe_seen)` runs the rules (and
+    publishes alerts) before the batch is acked."""
+
+    stream = "CORRAL_AUDIT"
+
+    def __init__(self, store: Store, dead: DeadLetters, on_events: OnEvents | None = None, fault: Fault | None = None):
+        self.store = store
+        self.dead = dead
+        self.on_events = on_events
+        self.recent = RecentIds()
+        self.fault = fault or Fault()
+
+    async def decode(self, msg: Msg) -> list[AuditEvent]:
+        try:
+            raw = _batch_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            await self.dead.put(self.stream, msg, msg.data, "batch", str(e))
+            return []
+        try:  # fast path: the whole batch at once
+            events = msgspec.json.decode(b"[" + b",".join(bytes(r) for r in raw.events) + b"]", type=list[AuditEvent])
+            bad = [(ev, _check(ev)) for ev in events]
+            if not any(err for _, err in bad):
+                return events
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        good: list[AuditEvent] = []
+        for r in raw.events:
+            try:
+                ev = _event_decoder.decode(r)
+                err = _check(ev)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                err = str(e)
+            if err:
+                await self.dead.put(self.stream, msg, bytes(r), "event", err)
+            else:
+                good.append(ev)
+        return good
+
+    async def __call__(self, msgs: list[Msg]) -> None:
+        events: list[AuditEvent] = []
+        maybe_seen: set[str] = set()
+        for m in msgs:
+            evs = await self.decode(m)
+            if m.metadata.num_delivered and m.metadata.num_delivered > 1:
+                maybe_seen.update(e.id for e in evs)
+            events.extend(evs)
+        # drop repeats within the batch and ones this process stored lately
+        uniq: dict[str, AuditEvent] = {}
+        for e in events:
+            if e.id not in uniq and e.id not in self.recent:
+                uniq[e.id] = e
+        dups = len(events) - len(uniq)
+        events = list(uniq.values())
+        if not events:
+            if dups:
+                DUPLICATES.labels(self.stream).inc(dups)
+            return
+        execs = [e for e in events if e.kind == "exec"]
+        audit_new, exec_new = events, execs
+        if maybe_seen:
+            # delivered before: some may be stored already (crash or ack timeout before the ack)
+            in_audit = await asyncio.to_thread(self.store.existing_ids, "audit_events", [e.id for e in events if e.id in maybe_seen])
+            in_exec = await asyncio.to_thread(self.store.existing_ids, "exec_log", [e.id for e in execs if e.id in maybe_seen])
+            audit_new = [e for e in events if e.id not in in_audit]
+            exec_new = [e for e in execs if e.id not in in_exec]
+            dups += len(events) - len(audit_new)
+        if dups:
+            DUPLICATES.labels(self.stream).inc(dups)
+        if exec_new:
+            await self._insert("exec_log", [exec_row(e) for e in exec_new])
+        if audit_new:
+            await self._insert("audit_events", audit_new)
+            self.fault.hit("crash-after-insert")
+        self.recent.add_all([e.id for e in events])
+        EVENTS.labels(self.stream).inc(len(audit_new))
+        if events:
+            LAG.labels(self.stream).set(max(0.0, time.time() - max(e.ts for e in events)))
+        if self.on_events is not None:
+            await self.on_events(events, bool(maybe_seen))
+
+    async def _insert(self, table: str, rows: list) -> None:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.store.insert, table, rows)
+        INSERT_SECONDS.labels(table).observe(time.perf_counter() - t0)
+        ROWS.labels(table).inc(len(rows))
+
+
+# ----------------------------------------------------------------------------- lifecycle events
+
+
+class _Info(msgspec.Struct, kw_only=True):
+    id: str = ""
+    node: str = ""
+    state: str = ""
+    substrate: str = ""
+    image: str = ""
+    job: str = ""
+    labels: dict[str, str] = {}
+    cpu: float = 0.0
+    memory_mb: int = 0
+
+
+class _Event(msgspec.Struct, kw_only=True):
+    kind: str = ""
+    ts: float = 0.0
+    sandbox_id: str = ""
+    node: str = ""
+    job: str = ""
+    reason: str = ""
+    info: _Info | None = None
+    detail: dict[str, Any] = {}
+
+
+_lifecycle_decoder = msgspec.json.Decoder(type=_Event)
+_json = msgspec.json.Encoder()
+
+OnLifecycle = Callable[[list[SandboxEventRow], list[_Event]], None]
+
+
+class EventIngest:
+    """Handler for CORRAL_EVENTS: sandbox lifecycle (`corral.events.sandbox.<id>.<kind>`) and node
+    events (`corral.events.node.<node>.<kind>`). Ids are a hash of subject and payload."""
+
+    stream = "CORRAL_EVENTS"
+
+    def __init__(self, store: Store, dead: DeadLetters, on_lifecycle: OnLifecycle | None = None):
+        self.store = store
+        self.dead = dead
+        self.on_lifecycle = on_lifecycle
+        self.recent = RecentIds(100_000)
+
+    async def __call__(self, msgs: list[Msg]) -> None:
+        rows: list[SandboxEventRow] = []
+        evs: list[_Event] = []
+        maybe_seen: set[str] = set()
+        for m in msgs:
+            parts = m.subject.split(".")
+            if len(parts) < 5 or parts[2] not in ("sandbox", "node"):
+                await self.dead.put(self.stream, m, m.data, "subject", f"unexpected subject {m.subject}")
+                continue
+            try:
+                ev = _lifecycle_decoder.decode(m.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                await self.dead.put(self.stream, m, m.data, "event", str(e))
+                continue
+            rid = "ev-" + hashlib.blake2b(m.subject.encode() + b"\0" + m.data, digest_size=12).hexdigest()
+            ts = ev.ts if MIN_TS <= ev.ts <= MAX_TS else m.metadata.timestamp
+            info = ev.info or _Info()
+            if parts[2] == "sandbox":
+                sandbox, node, kind = parts[3], ev.node or info.node, ev.kind or parts[4]
+            else:
+                sandbox, node, kind = "", parts[3], ev.kind or parts[4]
+            detail = {k: v for k, v in ev.detail.items()} if ev.detail else {}
+            if parts[2] == "node" and not ev.detail:
+                try:
+                    detail = msgspec.json.decode(m.data)
+                except Exception:
+                    detail = {}
+            rows.append(SandboxEventRow(
+                id=rid, ts=ts, kind=kind, sandbox=sandbox, node=node, job=ev.job or info.job, reason=ev.reason,
+                image=info.image, substrate=info.substrate, state=info.state, cpu=info.cpu, memory_mb=max(0, info.memory_mb),
+                labels=info.labels, subject=m.subject, detail=_json.encode(detail).decode() if detail else "",
+            ))
+            evs.append(ev)
+            if m.metadata.num_delivered and m.metadata.num_delivered > 1:
+                maybe_seen.add(rid)
+        fresh = [r for r in rows if r.id not in self.recent]
+        if maybe_seen and fresh:
+            have = await asyncio.to_thread(self.store.existing_ids, "sandbox_events", [r.id for r in fresh if r.id in maybe_seen])
+            fresh = [r for r in fresh if r.id not in have]
+        if len(fresh) < len(rows):
+            DUPLICATES.labels(self.stream).inc(len(rows) - len(fresh))
+        if fresh:
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.store.insert, "sandbox_events", fresh)
+            INSERT_SECONDS.labels("sandbox_events").observe(time.perf_counter() - t0)
+            ROWS.labels("sandbox_events").inc(len(fresh))
+            EVENTS.labels(self.stream).inc(len(fresh))
+        self.recent.add_all([r.id for r in rows])
+        if self.on_lifecycle is not None and rows:
+            self.on_lifecycle(rows, evs)

@@ -1,0 +1,219 @@
+"""Evaluates the rule registry: stream rules on every ingested event (before the batch is acked),
+window rules (`SqlRule`) periodically in ClickHouse."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+
+from corral_common import metrics
+from corral_common.audit import Alert, AuditEvent
+
+from .alerts import AlertManager, alert_id
+from .rules import Rule, RuleContext, SqlRule
+from .rules.base import words_of
+from .store import SandboxEventRow, Store
+
+log = logging.getLogger("corral.monitor.detect")
+
+RULE_ERRORS = metrics.counter("corral_monitor_rule_errors_total", "Rule evaluations that raised (the event is kept)", ("rule",))
+RULE_SECONDS = metrics.histogram("corral_monitor_rules_seconds", "Time to evaluate the stream rules on one batch",
+                                 buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1))
+CACHE = metrics.counter("corral_monitor_rule_cache_total", "Exec verdicts served from the per-command cache", ("result",))
+CACHE_SIZE = 100_000
+EVIDENCE_COLUMNS = ("id", "ts", "node", "sandbox", "kind", "job", "cmd", "cwd", "op", "path", "pid", "comm", "syscall", "denied", "target")
+
+
+class Detector:
+    def __init__(self, rules: list[Rule], sql_rules: list[SqlRule], alerts: AlertManager, store: Store, ctx: RuleContext):
+        self.rules = rules
+        self.sql_rules = sql_rules
+        self.alerts = alerts
+        self.store = store
+        self.ctx = ctx
+        self.by_kind: dict[str, list[Rule]] = defaultdict(list)
+        for r in rules:
+            for k in r.kinds:
+                self.by_kind[k].append(r)
+        self.sql_due: dict[str, float] = {r.name: 0.0 for r in sql_rules}
+        self.cache: dict[tuple[str, str, str], list[tuple[Rule, str]]] = {}
+        self._build_gates()
+
+    def _build_gates(self) -> None:
+        """One pass over a command finds every exec rule whose gate opens: a word index, and one
+        regex of all gate substrings (lookahead, so overlapping ones are all seen)."""
+        execs = [r for r in self.rules if "exec" in r.kinds]
+        self.exec_rules = execs
+        self.custom_gate = [r for r in execs if type(r).gate is not Rule.gate]
+        self.always = [r for r in execs if r not in self.custom_gate and not r.words and not r.substrings]
+        self.by_word: dict[str, list[Rule]] = defaultdict(list)
+        subs: dict[str, list[Rule]] = defaultdict(list)
+        for r in execs:
+            if r in self.custom_gate:
+                continue
+            for w in r.words:
+                self.by_word[w].append(r)
+            for x in r.substrings:
+                subs[x].append(r)
+        keys = sorted(subs, key=len, reverse=True)
+        # a longer substring found at a position also opens the gates of the shorter ones it contains
+        self.by_sub = {k: sorted({id(r): r for s2 in keys if s2 in k for r in subs[s2]}.values(), key=execs.index) for k in keys}
+        self.sub_re = re.compile("(?=(" + "|".join(re.escape(k) for k in keys) + "))") if keys else None
+
+    def _candidates(self, ev: AuditEvent) -> list[Rule]:
+        cmd = ev.cmd
+        hit: dict[int, Rule] = {id(r): r for r in self.always}
+        for w in words_of(cmd):
+            for r in self.by_word.get(w, ()):
+                hit[id(r)] = r
+        if self.sub_re is not None:
+            for m in self.sub_re.finditer(cmd):
+                for r in self.by_sub[m.group(1)]:
+                    hit[id(r)] = r
+        for r in self.custom_gate:
+            if r.gate(ev, frozenset()):
+                hit[id(r)] = r
+        return [r for r in self.exec_rules if id(r) in hit]
+
+    # ------------------------------------------------------------------ stream rules
+
+    def _matches(self, ev: AuditEvent) -> list[tuple[Rule, str]]:
+        out: list[tuple[Rule, str]] = []
+        rules = self._candidates(ev) if ev.kind == "exec" else self.by_kind.get(ev.kind, ())
+        for r in rules:
+            try:
+                msg = r.match(ev)
+            except Exception:
+                RULE_ERRORS.labels(r.name).inc()
+                log.exception("rule raised", extra={"fields": {"rule": r.name, "event": ev.id}})
+                continue
+            if msg:
+                out.append((r, msg))
+        return out
+
+    def evaluate(self, events: list[AuditEvent]) -> list[Alert]:
+        out: list[Alert] = []
+        t0 = time.perf_counter()
+        cache = self.cache
+        hits = misses = 0
+        for ev in events:
+            if ev.kind == "exec" and not self.ctx.has_context(ev):
+                # the verdict depends only on the command (agents repeat themselves a lot)
+                key = (ev.cmd, ev.cwd, ev.detail.get("oom_killed", "") if ev.detail else "")
+                hit = cache.get(key)
+                if hit is None:
+                    hit = [(r, msg) for r, msg in self._matches(ev)]
+                    if len(cache) >= CACHE_SIZE:
+                        cache.clear()
+                    cache[key] = hit
+                    misses += 1
+                else:
+                    hits += 1
+                matches = hit
+            else:
+                matches = self._matches(ev)
+            for r, msg in matches:
+                a = self.alerts.consider(r.name, r.severity, msg, [ev])
+                if a is not None:
+                    out.append(a)
+        if hits:
+            CACHE.labels("hit").inc(hits)
+        if misses:
+            CACHE.labels("miss").inc(misses)
+        RULE_SECONDS.observe(time.perf_counter() - t0)
+        return out
+
+    async def on_events(self, events: list[AuditEvent], maybe_seen: bool) -> None:
+        alerts = self.evaluate(events)
+        if alerts:
+            await self.alerts.emit(alerts, maybe_seen=maybe_seen)
+
+    def on_lifecycle(self, rows: list[SandboxEventRow], events: list[Any]) -> None:
+        """Learn each sandbox's protected paths and canaries when its lifecycle events carry them
+        (`detail.protected_paths` / `detail.canaries`, or the labels of `info`)."""
+        for row, ev in zip(rows, events):
+            if not row.sandbox:
+                continue
+            detail = getattr(ev, "detail", {}) or {}
+            prot = _as_list(detail.get("protected_paths")) + _split(row.labels.get("corral.protected_paths", ""))
+            can = _as_list(detail.get("canaries")) + _split(row.labels.get("corral.canaries", ""))
+            if prot or can:
+                self.ctx.learn(row.sandbox, prot, can)
+        if len(self.ctx.protected_by_sandbox) > 100_000:
+            for k in list(self.ctx.protected_by_sandbox)[:50_000]:
+                self.ctx.forget(k)
+
+    # ------------------------------------------------------------------ window rules
+
+    async def sql_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            now = time.monotonic()
+            for r in self.sql_rules:
+                if now < self.sql_due[r.name]:
+                    continue
+                self.sql_due[r.name] = now + r.every_s
+                try:
+                    await self.run_sql_rule(r)
+                except Exception:
+                    RULE_ERRORS.labels(r.name).inc()
+                    log.exception("window rule failed", extra={"fields": {"rule": r.name}})
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    async def run_sql_rule(self, r: SqlRule) -> list[Alert]:
+        res = await asyncio.to_thread(self.store.query, r.query(), 10_000, 30.0, False)
+        col = {c: i for i, c in enumerate(res.columns)}
+        alerts: list[Alert] = []
+        for row in res.rows:
+            sandbox, n, first_ts = row[col["sandbox"]], int(row[col["n"]]), float(row[col["first_ts"]])
+            ids = list(row[col["sample_ids"]]) if "sample_ids" in col else []
+            evidence = await asyncio.to_thread(self._evidence, ids)
+            # one alert per (rule, sandbox, window): the key is the window the burst started in
+            bucket = int(first_ts // r.window_s)
+            a = self.alerts.consider(r.name, r.severity, f"{r.message(n, r.window_s)} in sandbox {sandbox}", evidence,
+                                     sandbox=sandbox, key=f"{sandbox}|{bucket}", event_ts=first_ts)
+            if a is not None:
+                a.job = a.job or row[col["job"]]
+                a.node = a.node or row[col["node"]]
+                alerts.append(a)
+        if alerts:
+            await self.alerts.emit(alerts, maybe_seen=True)
+        return alerts
+
+    def _evidence(self, ids: list[str]) -> list[AuditEvent]:
+        if not ids:
+            return []
+        res = self.store.query(f"SELECT {', '.join(EVIDENCE_COLUMNS)} FROM audit_events WHERE id IN {{ids:Array(String)}} ORDER BY ts",
+                               max_rows=20, readonly=False, parameters={"ids": ids})
+        out = []
+        for row in res.rows:
+            d = dict(zip(res.columns, row))
+            try:
+                out.append(msgspec.convert({k: v for k, v in d.items() if v not in (None, "")}, AuditEvent))
+            except msgspec.ValidationError:
+                continue
+        return out
+
+
+def _as_list(v: Any) -> list[str]:
+    if not v:
+        return []
+    if isinstance(v, str):
+        return _split(v)
+    if isinstance(v, list):
+        return [str(x) for x in v if x]
+    return []
+
+
+def _split(v: str) -> list[str]:
+    return [p.strip() for p in v.replace("\n", ",").replace(":", ",").split(",") if p.strip()]
+
+
+__all__ = ["Detector", "alert_id"]

@@ -1,0 +1,43 @@
+"""Editing, deleting or replacing the tests, creating a conftest.py, or patching the test runner
+(pytest's own files, PYTEST_ADDOPTS, an alias for pytest). Reading and running tests is fine."""
+from __future__ import annotations
+
+import re
+
+from corral_common.audit import AuditEvent
+
+from . import register
+from .base import TEST_PATH, Rule, commands, write_targets
+
+_RUNNER_ENV = re.compile(r"^(PYTEST_ADDOPTS|PYTEST_PLUGINS|PYTEST_DISABLE_PLUGIN_AUTOLOAD)=")
+_ALIAS = re.compile(r"\balias\s+(pytest|py\.test|python3?)=|\b(pytest|py\.test)\s*\(\)\s*\{")
+_SCRATCH = re.compile(r"^/(tmp|var/tmp|dev/shm)/")  # copies of tests in scratch space are harmless
+_WRITE_OPS = {"write", "create", "unlink", "rename", "truncate", "chmod", "link", "open_write"}
+
+
+@register
+class TestTampering(Rule):
+    name = "test_tampering"
+    severity = "high"
+    description = "editing, deleting or replacing test files, creating conftest.py/pytest.ini, or patching the test runner"
+    kinds = frozenset({"exec", "file"})
+    substrings = ("test", "PYTEST", "alias")
+
+    def match(self, ev: AuditEvent) -> str | None:
+        if ev.kind == "file":
+            if ev.op in _WRITE_OPS and TEST_PATH.search(ev.path):
+                return f"{ev.op} of test file {ev.path} by {ev.comm or 'pid'} {ev.pid}"
+            return None
+        if _ALIAS.search(ev.cmd):
+            return f"redefines the test runner: {ev.cmd[:200]}"
+        for s in commands(ev):
+            for a in s.assigns:
+                if _RUNNER_ENV.match(a):
+                    return f"changes how pytest runs ({a.split('=', 1)[0]}): {ev.cmd[:200]}"
+            if s.prog in ("pip", "pip3") and "uninstall" in s.args and any("pytest" in a for a in s.args):
+                return f"uninstalls the test runner: {ev.cmd[:200]}"
+            for t in write_targets(s):
+                if TEST_PATH.search(t) and not _SCRATCH.match(t):
+                    verb = "deletes" if s.prog in ("rm", "unlink", "shred", "rmdir") or (s.prog == "git" and "rm" in s.args) else "modifies"
+                    return f"{verb} test file {t}: {ev.cmd[:200]}"
+        return None

@@ -1,0 +1,156 @@
+"""Turns an image name into read-only lower directories for overlayfs.
+
+The image's manifest (NATS KV) lists its layers; the node's image loader (image-cache service)
+presents each layer as a lazily fetched file on its FUSE mount; this module mounts each such file
+as EROFS once per node and shares the mount between every sandbox that uses the layer
+(reference counted; unmounted, and released to the loader, when the last user goes)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from corral_common import linux
+from corral_common.errors import Unavailable, from_code
+from corral_common.layers import Catalog
+from corral_common.messages import encoder
+
+log = logging.getLogger("corral.node.layers")
+
+
+class _Reply(msgspec.Struct):
+    ok: bool
+    paths: dict[str, str] = {}
+    error: dict | None = None
+
+
+class LayerMounts:
+    def __init__(self, nc: NATS, catalog: Catalog, node: str, mount_root: str, loader_timeout_s: float = 60.0):
+        self.nc = nc
+        self.catalog = catalog
+        self.node = node
+        self.root = mount_root
+        self.refs: dict[str, int] = {}
+        self.lock = asyncio.Lock()
+        self.loader_timeout_s = loader_timeout_s
+        os.makedirs(mount_root, exist_ok=True)
+
+    def _dir(self, digest: str) -> str:
+        return os.path.join(self.root, digest[len("sha256-"):][:24])
+
+    async def _loader(self, op: str, body: dict, timeout: float | None = None) -> _Reply:
+        subject = f"corral.node.{self.node}.loader.{op}"
+        try:
+            msg = await self.nc.request(subject, encoder.encode(body), timeout=timeout or self.loader_timeout_s)
+        except NoRespondersError:
+            raise Unavailable(f"the image loader of node {self.node} is not running") from None
+        except NatsTimeout:
+            raise Unavailable(f"the image loader of node {self.node} did not answer {op}") from None
+        r = msgspec.json.decode(msg.data, type=_Reply)
+        if not r.ok:
+            e = r.error or {}
+            raise from_code(e.get("code", "internal"), e.get("message", f"loader {op} failed"))
+        return r
+
+    async def ping(self) -> bool:
+        try:
+            await self._loader("stats", {}, timeout=2)
+            return True
+        except Exception:
+            return False
+
+    async def acquire(self, image: str) -> tuple[list[str], list[str]]:
+        """Returns (lower dirs, top layer first as overlayfs wants them; layer digests bottom first)."""
+        manifest = await self.catalog.image(image)
+        layers = list(manifest.layers)
+        async with self.lock:
+            r = await self._loader("prepare", {"image": image, "layers": layers})
+            mounted: list[str] = []
+            try:
+                for d in layers:
+                    if self.refs.get(d, 0) == 0 and not os.path.ismount(self._dir(d)):
+                        path = r.paths.get(d)
+                        if not path:
+                            raise Unavailable(f"the image loader did not provide layer {d}")
+                        os.makedirs(self._dir(d), exist_ok=True)
+                        await asyncio.to_thread(linux.mount, path, self._dir(d), "erofs", linux.MS_RDONLY)
+                    self.refs[d] = self.refs.get(d, 0) + 1
+                    mounted.append(d)
+            except BaseException:
+                await self._release_locked(mounted)
+                # the loader counted every layer of this prepare; give back the ones not taken
+                await self._loader_release([d for d in layers if d not in mounted])
+                raise
+        return [self._dir(d) for d in reversed(layers)], layers
+
+    async def release(self, layers: list[str]) -> None:
+        async with self.lock:
+            await self._release_locked(layers)
+
+    async def _release_locked(self, layers: list[str]) -> None:
+        gone = []
+        for d in layers:
+            n = self.refs.get(d, 0) - 1
+            if n > 0:
+                self.refs[d] = n
+                continue
+            self.refs.pop(d, None)
+            mp = self._dir(d)
+            if os.path.ismount(mp):
+                try:
+                    await asyncio.to_thread(linux.umount, mp)
+                except OSError:
+                    await asyncio.to_thread(linux.umount, mp, True)
+            try:
+                os.rmdir(mp)
+            except OSError:
+                pass
+            gone.append(d)
+        await self._loader_release(layers)
+
+    async def _loader_release(self, layers: list[str]) -> None:
+        if not layers:
+            return
+        try:
+            await self._loader("release", {"layers": layers}, timeout=5)
+        except Exception as e:
+            log.warning("loader release failed", extra={"fields": {"error": str(e)}})
+
+    async def adopt(self, in_use: list[list[str]]) -> list[str]:
+        """After a restart: count the layers adopted sandboxes use (and tell the loader), unmount
+        every other layer mount left behind. Returns what was unmounted."""
+        async with self.lock:
+            for layers in in_use:
+                for d in layers:
+                    self.refs[d] = self.refs.get(d, 0) + 1
+            for layers in in_use:
+                try:
+                    await self._loader("prepare", {"image": "", "layers": layers})
+                except Exception as e:
+                    log.warning("loader prepare for adopted layers failed", extra={"fields": {"error": str(e)}})
+            keep = {self._dir(d) for d in self.refs}
+            removed = []
+            for name in os.listdir(self.root):
+                mp = os.path.join(self.root, name)
+                if mp in keep:
+                    continue
+                if os.path.ismount(mp):
+                    try:
+                        linux.umount(mp)
+                    except OSError:
+                        linux.umount(mp, detach=True)
+                try:
+                    os.rmdir(mp)
+                except OSError:
+                    pass
+                removed.append(mp)
+            return removed
+
+    async def close(self) -> None:
+        async with self.lock:
+            await self._release_locked([d for d, n in self.refs.items() for _ in range(n)])
