@@ -55,6 +55,17 @@ class SandboxInfo(Struct, kw_only=True, omit_defaults=True):
     request_id: str = ""
 
 
+class RunSpec(SandboxSpec, kw_only=True):
+    """The sandbox part of a one-shot `corral.v1.sandbox.run`: a SandboxSpec whose substrate
+    defaults to `function` (the lightest path); `container` and `docker` work too (created,
+    exec'd once and destroyed)."""
+
+    substrate: Substrate = "function"
+
+    def to_spec(self) -> SandboxSpec:
+        return SandboxSpec(**msgspec.structs.asdict(self))
+
+
 class CreateBatchRequest(Request, kw_only=True):
     spec: SandboxSpec
     count: Annotated[int, Meta(ge=1, le=100_000)]
@@ -75,8 +86,20 @@ class ExecRequest(Request, kw_only=True):
     session: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
     stream: bool = False
     max_output_bytes: Annotated[int, Meta(ge=0, le=64 * 1024 * 1024)] = 1024 * 1024
-    trajectory: str = ""
+    trajectory: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_-]*$")] = ""
     step: Annotated[int, Meta(ge=0)] | None = None
+    # a logged step issued again with a different command: "error" (conflict) or "truncate" the
+    # log from this step on and run it
+    on_divergence: Literal["error", "truncate"] = "error"
+
+
+class RunRequest(Request, kw_only=True):
+    """`corral.v1.sandbox.run`: place `spec` on a node, run `exec` once in a fresh sandbox, destroy
+    it. Reply: `{"ok", "result": ExecResult, "sandbox_id", "node"}`. `exec.stream` and
+    `exec.session` are refused (one message back, nothing kept)."""
+
+    spec: RunSpec = msgspec.field(default_factory=RunSpec)
+    exec: ExecRequest
 
 
 class ExecResult(Struct, kw_only=True):
@@ -122,6 +145,63 @@ class Empty(Request):
     pass
 
 
+class RenewRequest(Request, kw_only=True):
+    ttl_s: Annotated[float, Meta(gt=0, le=7 * 86400)] | None = None  # default: the sandbox's own ttl_s
+
+
+# ----- trajectories (resume after preemption) -----
+
+TrajId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class TrajSnapshot(Struct, kw_only=True):
+    step: int  # the snapshot holds the effects of steps 0..step
+    image: str
+
+
+class TrajMeta(Struct, kw_only=True):
+    id: str
+    sandbox_id: str
+    spec: SandboxSpec
+    created_at: float
+    updated_at: float
+    node: str = ""
+    last_step: int = -1
+    snapshot_every: int = 10
+    snapshots: list[TrajSnapshot] = []
+
+
+class TrajEntry(Struct, kw_only=True):
+    """One logged step: the request as issued (minus trajectory fields) and its result."""
+
+    trajectory: str
+    step: int
+    input_hash: str
+    request: ExecRequest
+    result: ExecResult
+    sandbox_id: str
+    ts: float
+
+
+class TrajOpenRequest(Request, kw_only=True):
+    id: TrajId
+    sandbox_id: str
+    spec: SandboxSpec
+    snapshot_every: Annotated[int, Meta(ge=0, le=100_000)] = 10  # 0: no automatic snapshots
+
+
+class TrajRef(Request, kw_only=True):
+    id: TrajId
+
+
+class TrajListRequest(Request, kw_only=True):
+    prefix: str = ""
+
+
+class RestoreRequest(Request, kw_only=True):
+    trajectory: TrajId
+
+
 class SnapshotRequest(Request, kw_only=True):
     name: str = ""  # image name for the snapshot; default snap-<sandbox>-<ms>
     labels: LabelMap = {}
@@ -165,6 +245,13 @@ class Heartbeat(Struct, kw_only=True):
 class NodeCreate(Struct, kw_only=True):
     sandbox_id: str
     spec: SandboxSpec
+
+
+class NodeRun(Struct, kw_only=True):
+    """scheduler -> `corral.node.<node>.run`; the node picks the sandbox id."""
+
+    spec: SandboxSpec
+    exec: ExecRequest
 
 
 class Event(Struct, kw_only=True, omit_defaults=True):

@@ -6,8 +6,25 @@ PREFIX = "corral.v1"
 SANDBOX_CREATE = f"{PREFIX}.sandbox.create"
 SANDBOX_CREATE_BATCH = f"{PREFIX}.sandbox.create_batch"
 SANDBOX_LIST = f"{PREFIX}.sandbox.list"
+SANDBOX_RUN = f"{PREFIX}.sandbox.run"  # one-shot: create, exec once, destroy (the `function` substrate)
 
-SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume")
+SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume", "renew", "restore")
+
+TRAJ_OPEN = f"{PREFIX}.traj.open"
+TRAJ_GET = f"{PREFIX}.traj.get"
+TRAJ_LIST = f"{PREFIX}.traj.list"
+TRAJ_DELETE = f"{PREFIX}.traj.delete"
+TRAJ_QUEUE = "corral-traj"
+KV_TRAJ = "corral_traj"
+TRAJ_STREAM = "CORRAL_TRAJ"
+
+
+def traj_entry(trajectory: str, step: int) -> str:
+    return f"corral.traj.{trajectory}.{step}"
+
+
+def traj_all(trajectory: str) -> str:
+    return f"corral.traj.{trajectory}.>"
 
 
 def sandbox_op(sandbox_id: str, op: str) -> str:
@@ -21,6 +38,10 @@ def sandbox_all(sandbox_id: str) -> str:
 # node-internal subjects: the scheduler asks a chosen node to create a sandbox
 def node_create(node: str) -> str:
     return f"corral.node.{node}.create"
+
+
+def node_run(node: str) -> str:
+    return f"corral.node.{node}.run"
 
 
 def node_ping(node: str) -> str:

@@ -10,9 +10,10 @@ from corral_common.errors import (
 from corral_common.messages import ExecChunk, ExecResult, SandboxInfo, SandboxSpec
 
 from .client import AsyncClient, AsyncSandbox
+from .functions import RemoteError
 from .sync import Client, Sandbox
 
 __all__ = [
     "AsyncClient", "AsyncSandbox", "Client", "Sandbox", "ExecResult", "ExecChunk", "SandboxInfo", "SandboxSpec",
-    "CorralError", "InvalidRequest", "NotFound", "Capacity", "Timeout", "Conflict", "Forbidden", "Unavailable", "Internal",
+    "RemoteError", "CorralError", "InvalidRequest", "NotFound", "Capacity", "Timeout", "Conflict", "Forbidden", "Unavailable", "Internal",
 ]

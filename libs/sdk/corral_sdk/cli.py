@@ -19,6 +19,8 @@ sandbox_app = typer.Typer(no_args_is_help=True, help="create, exec in, list and 
 image_app = typer.Typer(no_args_is_help=True, help="build, import, list, inspect and remove images")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(image_app, name="image")
+traj_app = typer.Typer(no_args_is_help=True, help="list, show and remove trajectory logs")
+app.add_typer(traj_app, name="traj")
 console = Console(stderr=True)
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
@@ -281,6 +283,58 @@ def image_rm(names: list[str]) -> None:
     for n in names:
         r = _image_call("delete", {"name": n})
         print(f"{n}: freed {r['freed_layers']} layer(s), {r['freed_chunks']} chunk(s)")
+
+
+def _traj_run(coro_fn):
+    import asyncio
+
+    from .client import AsyncClient
+
+    async def go():
+        c = await AsyncClient.connect(config.nats_url(None))
+        try:
+            return await coro_fn(c)
+        finally:
+            await c.close()
+
+    try:
+        return asyncio.run(go())
+    except CorralError as e:
+        _fail(e)
+
+
+@traj_app.command("ls")
+def traj_ls(prefix: str = typer.Option("", help="only ids starting with this")) -> None:
+    """List trajectories."""
+    import time
+
+    metas = _traj_run(lambda c: c.trajectories.list(prefix))
+    t = Table("id", "sandbox", "node", "steps", "snapshots", "updated")
+    for m in metas:
+        t.add_row(m.id, m.sandbox_id, m.node, str(m.last_step + 1), ",".join(str(s.step) for s in m.snapshots),
+                  f"{time.time() - m.updated_at:.0f}s ago")
+    Console().print(t)
+
+
+@traj_app.command("show")
+def traj_show(trajectory_id: str) -> None:
+    """Show a trajectory and its most recent steps."""
+    meta, recent = _traj_run(lambda c: c.trajectories.get(trajectory_id))
+    Console().print(f"[bold]{meta.id}[/bold] sandbox {meta.sandbox_id} on {meta.node}, {meta.last_step + 1} steps, "
+                    f"snapshot every {meta.snapshot_every}, snapshots at {[s.step for s in meta.snapshots]}")
+    t = Table("step", "command", "exit", "ms", "stdout")
+    for e in recent:
+        cmd = e.request.cmd if isinstance(e.request.cmd, str) else " ".join(e.request.cmd)
+        t.add_row(str(e.step), cmd[:60], str(e.result.exit_code), f"{e.result.duration_ms:.1f}", e.result.stdout[:60].replace("\n", " "))
+    Console().print(t)
+
+
+@traj_app.command("rm")
+def traj_rm(trajectory_ids: list[str]) -> None:
+    """Delete trajectory logs (and their snapshot images)."""
+    for tid in trajectory_ids:
+        _traj_run(lambda c, t=tid: c.trajectories.delete(t))
+        print(tid)
 
 
 @app.command()

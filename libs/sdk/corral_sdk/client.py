@@ -34,13 +34,16 @@ class _Reply(msgspec.Struct):
     result: ExecResult | None = None
     file: FileContent | None = None
     usage: dict[str, Any] | None = None
+    raw: dict[str, Any] | None = None  # the whole reply, for fields this struct does not name
 
 
-def _check(data: bytes) -> _Reply:
+def _check(data: bytes, raw: bool = False) -> _Reply:
     r = msgspec.json.decode(data, type=_Reply)
     if not r.ok:
         e = r.error or _Error(code="internal", message="error reply without details")
         raise from_code(e.code, e.message, e.retry_after_s)
+    if raw:
+        r.raw = msgspec.json.decode(data)
     return r
 
 
@@ -71,7 +74,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def request(self, subject: str, payload: bytes, timeout: float, sandbox_id: str | None = None) -> _Reply:
+    async def request(self, subject: str, payload: bytes, timeout: float, sandbox_id: str | None = None, raw: bool = False) -> _Reply:
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout)
         except NoRespondersError:
@@ -83,7 +86,7 @@ class AsyncClient:
         except MaxPayloadError:
             raise InvalidRequest(f"request of {len(payload)} bytes is larger than the bus allows "
                                  f"({self.nc.max_payload} bytes); split it (e.g. several files.write calls)") from None
-        return _check(msg.data)
+        return _check(msg.data, raw)
 
     # ---------------------------------------------------------------- sandboxes
 
@@ -93,10 +96,58 @@ class AsyncClient:
         assert r.sandbox is not None
         return AsyncSandbox(self, r.sandbox)
 
+    async def create_spec(self, spec: SandboxSpec, timeout: float = 60.0) -> AsyncSandbox:
+        r = await self.request(subjects.SANDBOX_CREATE, encoder.encode(spec), timeout)
+        assert r.sandbox is not None
+        return AsyncSandbox(self, r.sandbox)
+
+    def trajectory(self, trajectory_id: str, image: str = "busybox", substrate: str = "container", *,
+                   snapshot_every: int = 10, keepalive_s: float | None = None, **kw: Any):
+        """A resumable rollout: `async with client.trajectory("id", image="debian") as t: await t.exec(...)`."""
+        from .trajectory import Trajectory
+
+        spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
+        return Trajectory(self, trajectory_id, spec, snapshot_every=snapshot_every, keepalive_s=keepalive_s)
+
+    @property
+    def trajectories(self):
+        from .trajectory import Trajectories
+
+        return Trajectories(self)
+
     async def create_batch(self, count: int, image: str = "busybox", substrate: str = "container", *, timeout: float = 300.0, **kw: Any) -> list[AsyncSandbox]:
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
         r = await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(CreateBatchRequest(spec=spec, count=count)), timeout)
         return [AsyncSandbox(self, i) for i in r.sandboxes or []]
+
+    async def run(self, cmd: str | list[str], *, image: str = "busybox", substrate: str = "function", stdin: str = "",
+                  env: dict[str, str] | None = None, cwd: str | None = None, timeout_s: float = 60.0,
+                  max_output_bytes: int = 1024 * 1024, timeout: float | None = None, **spec: Any) -> ExecResult:
+        """Run one command in a fresh sandbox that is gone when this returns (`corral.v1.sandbox.run`).
+
+        `substrate="function"` (default) is corral's lightest path; "container" and "docker" work
+        too. `**spec` are SandboxSpec fields (cpu, memory_mb, disk_mb, pids_max, workdir, job,
+        labels, ...); `env` is the command's environment."""
+        from corral_common.messages import RunRequest, RunSpec
+
+        req = RunRequest(spec=RunSpec(image=image, substrate=substrate, **spec),  # type: ignore[arg-type]
+                         exec=ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s,
+                                          max_output_bytes=max_output_bytes))
+        r = await self.request(subjects.SANDBOX_RUN, encoder.encode(req), timeout or timeout_s + 45)
+        assert r.result is not None
+        return r.result
+
+    async def call(self, fn: Any, *args: Any, image: str = "debian", substrate: str = "function", timeout_s: float = 60.0,
+                   spec: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in a fresh sandbox with python3; returns its value or raises
+        `RemoteError` with the remote traceback. The function's source and JSON arguments are sent:
+        see corral_sdk.functions for the limits. `spec`: SandboxSpec fields (cpu, memory_mb, ...)."""
+        from . import functions
+
+        argv, stdin = functions.encode_call(fn, args, kwargs)
+        r = await self.run(argv, image=image, substrate=substrate, stdin=stdin, timeout_s=timeout_s,
+                           max_output_bytes=functions.MAX_OUTPUT, **(spec or {}))
+        return functions.decode_result(r, fn)
 
     async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         r = await self.request(subjects.SANDBOX_LIST, encoder.encode(ListRequest(job=job, labels=labels)), 10.0)
@@ -156,14 +207,15 @@ class AsyncSandbox:
 
     _owns_client = False
 
-    async def _call(self, op: str, body: dict[str, Any] | msgspec.Struct, timeout: float = 30.0) -> _Reply:
-        return await self.client.request(subjects.sandbox_op(self.id, op), encoder.encode(body), timeout, sandbox_id=self.id)
+    async def _call(self, op: str, body: dict[str, Any] | msgspec.Struct, timeout: float = 30.0, raw: bool = False) -> _Reply:
+        return await self.client.request(subjects.sandbox_op(self.id, op), encoder.encode(body), timeout, sandbox_id=self.id, raw=raw)
 
     async def exec(self, cmd: str | list[str], *, stdin: str = "", env: dict[str, str] | None = None, cwd: str | None = None,
                    timeout_s: float = 60.0, session: str = "", max_output_bytes: int = 1024 * 1024,
-                   trajectory: str = "", step: int | None = None) -> ExecResult:
+                   trajectory: str = "", step: int | None = None, on_divergence: str = "error") -> ExecResult:
         req = ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s, session=session,
-                          max_output_bytes=max_output_bytes, trajectory=trajectory, step=step)
+                          max_output_bytes=max_output_bytes, trajectory=trajectory, step=step,
+                          on_divergence=on_divergence)  # type: ignore[arg-type]
         r = await self._call("exec", req, timeout=timeout_s + 15)
         assert r.result is not None
         return r.result
@@ -193,11 +245,31 @@ class AsyncSandbox:
         finally:
             await sub.unsubscribe()
 
-    async def refresh(self) -> SandboxInfo:
-        r = await self._call("info", {})
+    async def call(self, fn: Any, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` inside this sandbox (python3 needed); see corral_sdk.functions."""
+        from . import functions
+
+        argv, stdin = functions.encode_call(fn, args, kwargs)
+        r = await self.exec(argv, stdin=stdin, timeout_s=timeout_s, max_output_bytes=functions.MAX_OUTPUT)
+        return functions.decode_result(r, fn)
+
+    async def refresh(self, timeout: float = 30.0) -> SandboxInfo:
+        r = await self._call("info", {}, timeout=timeout)
         assert r.sandbox is not None
         self.info = r.sandbox
         return self.info
+
+    async def renew(self, ttl_s: float | None = None) -> SandboxInfo:
+        """Extend the lease: the sandbox now expires ttl_s (default: its own ttl_s) from now."""
+        r = await self._call("renew", {"ttl_s": ttl_s} if ttl_s else {})
+        assert r.sandbox is not None
+        self.info = r.sandbox
+        return self.info
+
+    async def snapshot(self, name: str = "", labels: dict[str, str] | None = None) -> str:
+        """Snapshot the sandbox's filesystem as an image; returns the image name."""
+        r = await self._call("snapshot", {"name": name, "labels": labels or {}}, timeout=600, raw=True)
+        return r.raw["image"]["name"] if r.raw else ""
 
     async def pause(self) -> None:
         await self._call("pause", {})

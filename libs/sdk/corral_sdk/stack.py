@@ -53,7 +53,8 @@ class Stack:
     image_dir: str | None = None
     metrics_port: int = 0  # 0: free ports; else scheduler on it, node i on it+1+i
     log_dir: str | None = None
-    node_args: list[str] = field(default_factory=list)
+    node_args: list[str] = field(default_factory=list)  # extra node-agent arguments; a --substrate here replaces the defaults
+    docker: bool = False  # also enable the `docker` substrate (dockerd must be reachable; `corral up --docker`)
     monitor: bool = True  # the monitor, with ClickHouse embedded at <data_dir>/monitor.db
     procs: list[Proc] = field(default_factory=list)
 
@@ -84,6 +85,14 @@ class Stack:
             raise RuntimeError(f"{name} is still running")
         self.procs.remove(old)
         return self._start(name, old.argv, old.metrics_url)
+
+    def substrate_args(self) -> list[str]:
+        """`container` and `function` on every node by default, `docker` too with `docker=True`;
+        none when node_args names its own `--substrate`s."""
+        if "--substrate" in self.node_args:
+            return []
+        subs = ["container", "function", *(["docker"] if self.docker else [])]
+        return [a for s in subs for a in ("--substrate", s)]
 
     def _mport(self, i: int) -> int:
         return self.metrics_port + i if self.metrics_port else free_port()
@@ -128,7 +137,7 @@ class Stack:
                                             "--metrics-port", str(port)], f"http://127.0.0.1:{port}/metrics")
             port = self._mport(10 + 2 * i)
             self._start(node, [py, "-m", "corral_node_agent", "--nats", self.url, "--node", node, "--state-dir", self.data_dir,
-                               "--metrics-port", str(port), *self.node_args], f"http://127.0.0.1:{port}/metrics")
+                               "--metrics-port", str(port), *self.substrate_args(), *self.node_args], f"http://127.0.0.1:{port}/metrics")
         await self._wait_ready(timeout)
         if self.monitor:
             await self._wait_request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout)

@@ -40,6 +40,14 @@ class Client:
     def create_batch(self, count: int, image: str = "busybox", substrate: str = "container", **kw: Any) -> list[Sandbox]:
         return [Sandbox(s) for s in _run(self._c.create_batch(count, image=image, substrate=substrate, **kw))]
 
+    def run(self, cmd: str | list[str], **kw: Any) -> ExecResult:
+        """One command in a fresh, throwaway sandbox (substrate "function" by default)."""
+        return _run(self._c.run(cmd, **kw))
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) in a fresh sandbox (image "debian" by default); see AsyncClient.call."""
+        return _run(self._c.call(fn, *args, **kwargs))
+
     def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         return _run(self._c.list(job=job, labels=labels))
 
@@ -97,6 +105,16 @@ class Sandbox:
                 yield _run(agen.__anext__())
             except StopAsyncIteration:
                 return
+
+    def renew(self, ttl_s: float | None = None) -> SandboxInfo:
+        return _run(self._a.renew(ttl_s))
+
+    def snapshot(self, name: str = "", labels: dict[str, str] | None = None) -> str:
+        return _run(self._a.snapshot(name, labels))
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) inside this sandbox; see AsyncSandbox.call."""
+        return _run(self._a.call(fn, *args, **kwargs))
 
     def pause(self) -> None:
         _run(self._a.pause())

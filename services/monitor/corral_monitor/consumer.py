@@ -25,7 +25,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, S
 from nats.js.errors import BadRequestError, FetchTimeoutError
 
 from corral_common import metrics
-from corral_common.audit import AuditEvent
+from corral_common.audit import AuditBatch, AuditEvent
 
 from .store import ExecRow, SandboxEventRow, Store
 
@@ -129,7 +129,7 @@ class PullConsumer:
 
     def __init__(self, js: JetStreamContext, stream: str, durable: str, subject: str, handler: Handler, *,
                  batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
-                 fetch_timeout_s: float = 1.0):
+                 fetch_timeout_s: float = 1.0, inflight_bytes: int = 24 * 1024 * 1024):
         self.js = js
         self.stream = stream
         self.durable = durable
@@ -140,6 +140,8 @@ class PullConsumer:
         self.ack_wait_s = ack_wait_s
         self.max_ack_pending = max_ack_pending
         self.fetch_timeout_s = fetch_timeout_s
+        self.inflight_bytes = inflight_bytes
+        self.avg_size = 64 * 1024.0  # a node-agent batch of 256 exec events
         self.subs: list[Any] = []
 
     async def setup(self) -> None:
@@ -157,11 +159,17 @@ class PullConsumer:
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(self._work(sub, stop) for sub in self.subs))
 
+    def _fetch_size(self) -> int:
+        """Messages per fetch: `batch`, but keep everything in flight to this connection (all
+        workers) under `inflight_bytes`, or NATS cuts it off as a slow consumer (64 MB)."""
+        per_worker = self.inflight_bytes / self.workers
+        return max(1, min(self.batch, int(per_worker / max(1.0, self.avg_size))))
+
     async def _work(self, sub: Any, stop: asyncio.Event) -> None:
         backoff = 0.1
         while not stop.is_set():
             try:
-                msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                msgs = await sub.fetch(self._fetch_size(), timeout=self.fetch_timeout_s)
             except (TimeoutError, asyncio.TimeoutError, NatsTimeout, FetchTimeoutError):
                 continue
             except asyncio.CancelledError:
@@ -172,6 +180,8 @@ class PullConsumer:
                 continue
             if not msgs:
                 continue
+            size = sum(len(m.data) for m in msgs) / len(msgs)
+            self.avg_size = max(size, 0.8 * self.avg_size + 0.2 * size)
             try:
                 PENDING.labels(self.stream).set(msgs[-1].metadata.num_pending)
             except Exception:
@@ -214,6 +224,7 @@ class _RawBatch(msgspec.Struct):
 
 
 _batch_decoder = msgspec.json.Decoder(type=_RawBatch)
+_typed_decoder = msgspec.json.Decoder(type=AuditBatch)
 _event_decoder = msgspec.json.Decoder(type=AuditEvent)
 
 
@@ -251,20 +262,19 @@ class AuditIngest:
         self.fault = fault or Fault()
 
     async def decode(self, msg: Msg) -> list[AuditEvent]:
+        try:  # fast path: the whole batch at once
+            events = _typed_decoder.decode(msg.data).events
+            if not any(_check(ev) for ev in events):
+                return events
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
         try:
             raw = _batch_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             await self.dead.put(self.stream, msg, msg.data, "batch", str(e))
             return []
-        try:  # fast path: the whole batch at once
-            events = msgspec.json.decode(b"[" + b",".join(bytes(r) for r in raw.events) + b"]", type=list[AuditEvent])
-            bad = [(ev, _check(ev)) for ev in events]
-            if not any(err for _, err in bad):
-                return events
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
         good: list[AuditEvent] = []
-        for r in raw.events:
+        for r in raw.events:  # one by one: keep the good events, dead-letter the bad ones
             try:
                 ev = _event_decoder.decode(r)
                 err = _check(ev)
@@ -286,35 +296,41 @@ class AuditIngest:
             events.extend(evs)
         # drop repeats within the batch and ones this process stored lately
         uniq: dict[str, AuditEvent] = {}
+        recent = self.recent
         for e in events:
-            if e.id not in uniq and e.id not in self.recent:
+            if e.id not in uniq and e.id not in recent:
                 uniq[e.id] = e
         dups = len(events) - len(uniq)
-        events = list(uniq.values())
+        events = list(uniq.values()) if dups else events
         if not events:
             if dups:
                 DUPLICATES.labels(self.stream).inc(dups)
             return
-        execs = [e for e in events if e.kind == "exec"]
-        audit_new, exec_new = events, execs
+        audit_new = events
+        exec_repair: list[AuditEvent] = []
         if maybe_seen:
-            # delivered before: some may be stored already (crash or ack timeout before the ack)
-            in_audit = await asyncio.to_thread(self.store.existing_ids, "audit_events", [e.id for e in events if e.id in maybe_seen])
-            in_exec = await asyncio.to_thread(self.store.existing_ids, "exec_log", [e.id for e in execs if e.id in maybe_seen])
+            # delivered before: some may be stored already (a crash or an ack timeout before the ack)
+            ids = [e.id for e in events if e.id in maybe_seen]
+            in_audit = await asyncio.to_thread(self.store.existing_ids, "audit_events", ids)
             audit_new = [e for e in events if e.id not in in_audit]
-            exec_new = [e for e in execs if e.id not in in_exec]
             dups += len(events) - len(audit_new)
+            # exec_log is filled by a view on audit_events inserts; rows whose audit row made it
+            # but whose exec_log row did not (a crash inside that insert) are repaired directly
+            stored_execs = [e.id for e in events if e.id in in_audit and e.kind == "exec"]
+            if stored_execs:
+                in_exec = await asyncio.to_thread(self.store.existing_ids, "exec_log", stored_execs)
+                exec_repair = [e for e in events if e.id in in_audit and e.kind == "exec" and e.id not in in_exec]
         if dups:
             DUPLICATES.labels(self.stream).inc(dups)
-        if exec_new:
-            await self._insert("exec_log", [exec_row(e) for e in exec_new])
+        if exec_repair:
+            await self._insert("exec_log", [exec_row(e) for e in exec_repair])
         if audit_new:
             await self._insert("audit_events", audit_new)
+            ROWS.labels("exec_log").inc(sum(1 for e in audit_new if e.kind == "exec"))
             self.fault.hit("crash-after-insert")
-        self.recent.add_all([e.id for e in events])
+        recent.add_all([e.id for e in events])
         EVENTS.labels(self.stream).inc(len(audit_new))
-        if events:
-            LAG.labels(self.stream).set(max(0.0, time.time() - max(e.ts for e in events)))
+        LAG.labels(self.stream).set(max(0.0, time.time() - max(e.ts for e in events)))
         if self.on_events is not None:
             await self.on_events(events, bool(maybe_seen))
 

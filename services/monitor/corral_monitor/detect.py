@@ -49,38 +49,39 @@ class Detector:
         regex of all gate substrings (lookahead, so overlapping ones are all seen)."""
         execs = [r for r in self.rules if "exec" in r.kinds]
         self.exec_rules = execs
-        self.custom_gate = [r for r in execs if type(r).gate is not Rule.gate]
-        self.always = [r for r in execs if r not in self.custom_gate and not r.words and not r.substrings]
-        self.by_word: dict[str, list[Rule]] = defaultdict(list)
-        subs: dict[str, list[Rule]] = defaultdict(list)
-        for r in execs:
-            if r in self.custom_gate:
+        self.custom_gate = [(i, r) for i, r in enumerate(execs) if type(r).gate is not Rule.gate]
+        custom = {i for i, _ in self.custom_gate}
+        self.always = frozenset(i for i, r in enumerate(execs) if i not in custom and not r.words and not r.substrings)
+        by_word: dict[str, set[int]] = defaultdict(set)
+        subs: dict[str, set[int]] = defaultdict(set)
+        for i, r in enumerate(execs):
+            if i in custom:
                 continue
             for w in r.words:
-                self.by_word[w].append(r)
+                by_word[w].add(i)
             for x in r.substrings:
-                subs[x].append(r)
+                subs[x].add(i)
+        self.by_word = {w: tuple(v) for w, v in by_word.items()}
+        self.word_keys = frozenset(self.by_word)
         keys = sorted(subs, key=len, reverse=True)
         # a longer substring found at a position also opens the gates of the shorter ones it contains
-        self.by_sub = {k: sorted({id(r): r for s2 in keys if s2 in k for r in subs[s2]}.values(), key=execs.index) for k in keys}
+        self.by_sub = {k: tuple(set().union(*(subs[s2] for s2 in keys if s2 in k))) for k in keys}
         self.sub_re = re.compile("(?=(" + "|".join(re.escape(k) for k in keys) + "))") if keys else None
 
     def _candidates(self, ev: AuditEvent) -> list[Rule]:
         cmd = ev.cmd
-        hit: dict[int, Rule] = {id(r): r for r in self.always}
-        for w in words_of(cmd):
-            for r in self.by_word.get(w, ()):
-                hit[id(r)] = r
+        hit = set(self.always)
+        ws = words_of(cmd)
+        for w in self.word_keys & ws:
+            hit.update(self.by_word[w])
         if self.sub_re is not None:
             for m in self.sub_re.finditer(cmd):
-                for r in self.by_sub[m.group(1)]:
-                    hit[id(r)] = r
-        for r in self.custom_gate:
-            if r.gate(ev, frozenset()):
-                hit[id(r)] = r
-        return [r for r in self.exec_rules if id(r) in hit]
-
-    # ------------------------------------------------------------------ stream rules
+                hit.update(self.by_sub[m.group(1)])
+        for i, r in self.custom_gate:
+            if i not in hit and r.gate(ev, ws):
+                hit.add(i)
+        execs = self.exec_rules
+        return [execs[i] for i in sorted(hit)]
 
     def _matches(self, ev: AuditEvent) -> list[tuple[Rule, str]]:
         out: list[tuple[Rule, str]] = []

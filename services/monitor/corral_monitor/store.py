@@ -4,6 +4,7 @@
 Tables (created idempotently, MergeTree family, partitioned by day or month, with a TTL):
   audit_events    every audit event, all kinds            ReplacingMergeTree  ORDER BY (kind, sandbox, ts, id)
   exec_log        exec events, flattened for dashboards   ReplacingMergeTree  ORDER BY (job, sandbox, ts, id)
+                  (filled by the materialized view exec_log_mv on every insert into audit_events)
   sandbox_events  lifecycle events from CORRAL_EVENTS     ReplacingMergeTree  ORDER BY (sandbox, ts, id)
   alerts          alerts the monitor raised               ReplacingMergeTree  ORDER BY (rule, sandbox, event_ts, id)
 
@@ -129,6 +130,18 @@ SCHEMA: dict[str, str] = {
 }
 TABLES = tuple(SCHEMA)
 
+# exec_log is filled by ClickHouse itself from every insert into audit_events (no second encode
+# and insert from Python); the consumer inserts into exec_log directly only to repair rows missing
+# after a crash (see consumer.AuditIngest)
+VIEWS: dict[str, str] = {
+    "exec_log_mv": """
+        CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.exec_log_mv TO {db}.exec_log AS
+        SELECT id, ts, node, sandbox, job, cmd, cwd, session, ifNull(exit_code, -1) AS exit_code, duration_ms,
+               stdout_bytes, stderr_bytes, timed_out, detail['oom_killed'] = '1' AS oom_killed, labels
+        FROM {db}.audit_events WHERE kind = 'exec'
+    """,
+}
+
 
 class ExecRow(msgspec.Struct, kw_only=True):
     id: str
@@ -236,6 +249,8 @@ class Store:
     def ensure_schema(self) -> None:
         for table, ddl in SCHEMA.items():
             self.command(ddl.format(db=self.database, ttl=int(self.ttl_days[table])))
+        for ddl in VIEWS.values():
+            self.command(ddl.format(db=self.database))
 
     def close(self) -> None:
         if self.client is not None:
@@ -258,8 +273,11 @@ class Store:
             return 0
         block = _encoder.encode_lines(rows)
         with self._lock:
+            # async_insert=0: the part is written before the call returns (chdb defaults to async
+            # inserts, whose buffer a crash right after "success" could lose: we ack right after this)
             self.client.raw_insert(f"{self.database}.{table}", None, insert_block=block, fmt="JSONEachRow",
-                                   settings={"input_format_skip_unknown_fields": 1, "date_time_input_format": "best_effort"})
+                                   settings={"input_format_skip_unknown_fields": 1, "date_time_input_format": "best_effort",
+                                             "async_insert": 0})
         return len(rows)
 
     def existing_ids(self, table: str, ids: Iterable[str]) -> set[str]:

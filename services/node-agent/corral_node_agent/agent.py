@@ -20,14 +20,17 @@ from nats.aio.msg import Msg
 from corral_common import bus, logs, metrics, subjects
 from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
 from corral_common.audit import AuditEvent, event_id
-from corral_common.errors import Capacity, CorralError, InvalidRequest, NotFound, Unavailable
+from corral_common.errors import Capacity, Conflict, CorralError, InvalidRequest, NotFound, Unavailable
+from corral_common.messages import NodeRun, SandboxSpec, new_id
 from corral_common.messages import (
     Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
-    NodeCapacity, NodeCreate, NodeUsage, SandboxInfo, SnapshotRequest, encoder, ok,
+    NodeCapacity, NodeCreate, NodeUsage, RenewRequest, RestoreRequest, SandboxInfo, SnapshotRequest, TrajListRequest,
+    TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
 )
 
 from .auditlog import AuditLog
 from .layermounts import LayerMounts
+from .trajectory import TrajectoryLog
 from .substrates import REGISTRY, Substrate
 from .substrates.base import Sandbox
 
@@ -41,6 +44,13 @@ CREATE_SECONDS = metrics.histogram(
 EXEC_SECONDS = metrics.histogram(
     "corral_exec_seconds", "Exec duration as seen by the node", ("node", "substrate"),
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30, 300),
+)
+SNAPSHOT_SECONDS = metrics.histogram("corral_snapshot_seconds", "Time to snapshot a sandbox", ("node",),
+                                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+REPLAYED = metrics.counter("corral_traj_replayed_total", "Trajectory steps answered from the log", ("node",))
+RUN_SECONDS = metrics.histogram(
+    "corral_run_seconds", "One-shot run (create, exec, until the command ended) as seen by the node", ("node", "substrate"),
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 5, 30, 300),
 )
 DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to destroy a sandbox", ("node", "substrate"))
 EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
@@ -79,6 +89,7 @@ class NodeAgent:
         self.sandboxes: dict[str, Sandbox] = {}
         self.substrate_of: dict[str, Substrate] = {}
         self.destroying: set[str] = set()
+        self.runs: dict[object, SandboxSpec] = {}  # one-shot runs in flight (capacity)
         self.capacity = NodeCapacity(
             cpu=cfg.cpu or (os.cpu_count() or 1) * cfg.cpu_overcommit,
             memory_mb=cfg.memory_mb or int(_mem_total_mb() * 0.9),
@@ -113,9 +124,14 @@ class NodeAgent:
         self.responder = bus.Responder(self.nc, "node-agent")
         self.audit = AuditLog(self.js, self.node)
         self.audit.start()
+        self.traj = await TrajectoryLog(self.js).open()
         await self._reconcile()
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
         await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")
+        await self.responder.serve(subjects.node_run(self.node), self._on_run, "run")
+        for subject, handler, op in ((subjects.TRAJ_OPEN, self._on_traj_open, "traj.open"), (subjects.TRAJ_GET, self._on_traj_get, "traj.get"),
+                                     (subjects.TRAJ_LIST, self._on_traj_list, "traj.list"), (subjects.TRAJ_DELETE, self._on_traj_delete, "traj.delete")):
+            await self.responder.serve(subject, handler, op, queue=subjects.TRAJ_QUEUE)
         metrics.UP.labels("node-agent").set(1)
         self._spawn(self._heartbeat_loop())
         self._spawn(self._reaper_loop())
@@ -206,7 +222,8 @@ class NodeAgent:
                            f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         if req.sandbox_id in self.sandboxes:
             return ok(sandbox=self.sandboxes[req.sandbox_id].info)
-        await self.catalog.image(spec.image)  # NotFound with the list of images, before any work
+        if sub.uses_catalog:  # docker resolves its own (local Docker) images
+            await self.catalog.image(spec.image)  # NotFound with the list of images, before any work
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
@@ -223,6 +240,71 @@ class NodeAgent:
         await self._event(sb, "created")
         await self._event(sb, "ready")
         return ok(sandbox=sb.info)
+
+    async def _on_run(self, msg: Msg) -> None:
+        """`corral.node.<node>.run` (from the scheduler's `corral.v1.sandbox.run`): a fresh sandbox,
+        one exec, audited like any other, then gone. The reply goes out as soon as the command has
+        ended; the teardown follows, and a `destroyed` event marks its end."""
+        req = bus.decode(msg.data, NodeRun)
+        spec, ereq = req.spec, req.exec
+        if not self.accepting:
+            raise Unavailable(f"node {self.node} is shutting down", retry_after_s=1)
+        sub = self.substrates.get(spec.substrate)
+        if sub is None:
+            raise InvalidRequest(f"substrate {spec.substrate!r} is not available on node {self.node}; available: {', '.join(self.substrates)}")
+        if isinstance(ereq.cmd, str) and not ereq.cmd.strip():
+            raise InvalidRequest("cmd is empty")
+        if ereq.stream or ereq.session or ereq.trajectory:
+            raise InvalidRequest("a one-shot run answers with one message and keeps nothing: stream, session and "
+                                 "trajectory need a sandbox (create one, then exec)")
+        cpu, mem = self._requested()
+        cpu += sum(s.cpu for s in self.runs.values())
+        mem += sum(s.memory_mb for s in self.runs.values())
+        n = len(self.sandboxes) + len(self.runs)
+        if n >= self.capacity.sandboxes or cpu + spec.cpu > self.capacity.cpu or mem + spec.memory_mb > self.capacity.memory_mb:
+            raise Capacity(f"node {self.node} is full ({n} sandboxes and calls, {cpu:g}/{self.capacity.cpu:g} cpu, "
+                           f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=0.2)
+        # (an unknown image is the substrate's NotFound, raised before it sets anything up)
+        now = time.time()
+        info = SandboxInfo(id=new_id(), node=self.node, state="running", substrate=spec.substrate, image=spec.image,
+                           created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
+                           cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
+        token = object()
+        self.runs[token] = spec
+        t0 = time.perf_counter()
+        try:
+            result, finish = await sub.run(info, spec, ereq, None)
+        except CorralError:
+            await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job,
+                                            reason="run failed", info=info))
+            raise
+        finally:
+            self.runs.pop(token, None)
+        RUN_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
+        EXEC_SECONDS.labels(self.node, sub.name).observe(result.duration_ms / 1000)
+        self.audit.emit(AuditEvent(
+            id=event_id(), ts=time.time(), node=self.node, sandbox=info.id, kind="exec", job=spec.job, labels=spec.labels,
+            cmd=ereq.cmd if isinstance(ereq.cmd, str) else shlex.join(ereq.cmd), cwd=ereq.cwd or spec.workdir,
+            exit_code=result.exit_code, duration_ms=round(result.duration_ms, 3), stdout_bytes=len(result.stdout),
+            stderr_bytes=len(result.stderr), timed_out=result.timed_out,
+            detail={"substrate": sub.name, "one_shot": "1", **({"oom_killed": "1"} if result.oom_killed else {})},
+        ))
+        if msg.reply:
+            try:
+                await self.nc.publish(msg.reply, ok(result=result, sandbox_id=info.id, node=self.node))
+            except Exception:
+                log.warning("could not publish run reply", extra={"fields": {"sandbox": info.id}})
+        t1 = time.perf_counter()
+        try:
+            await finish()
+        except Exception:
+            log.exception("teardown after run failed", extra={"fields": {"sandbox": info.id}})
+        DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t1)
+        info.state = "destroyed"
+        await self._publish_event(Event(kind="destroyed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job,
+                                        reason="one-shot run finished", info=info,
+                                        detail={"exit_code": result.exit_code, "duration_ms": round(result.duration_ms, 3)}))
+        return None
 
     async def _register(self, sb: Sandbox, sub: Substrate) -> None:
         self.sandboxes[sb.id] = sb
@@ -287,7 +369,16 @@ class NodeAgent:
                 await self.placements.put(sid, encoder.encode(sb.info))
                 return ok(sandbox=sb.info)
             if op == "snapshot":
-                return await self._snapshot(msg, sb, sub)
+                req = bus.decode(msg.data, SnapshotRequest)
+                image, layer, uploaded = await self._take_snapshot(sb, sub, req.name, req.labels)
+                return ok(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
+            if op == "renew":
+                r = bus.decode(msg.data, RenewRequest)
+                sb.info.expires_at = time.time() + (r.ttl_s or sb.spec.ttl_s)
+                await self.placements.put(sid, encoder.encode(sb.info))
+                return ok(sandbox=sb.info)
+            if op == "restore":
+                return await self._restore(msg, sb, sub)
             raise InvalidRequest(f"unknown sandbox operation {op!r}; known: {', '.join(subjects.SANDBOX_OPS)}")
 
         return handle
@@ -296,6 +387,17 @@ class NodeAgent:
         req = bus.decode(msg.data, ExecRequest)
         if isinstance(req.cmd, str) and not req.cmd.strip():
             raise InvalidRequest("cmd is empty")
+        if bool(req.trajectory) != (req.step is not None):
+            raise InvalidRequest("trajectory and step go together: give both or neither")
+        if req.trajectory:
+            logged = await self.traj.check(req, sb.id)
+            if logged is not None:
+                REPLAYED.labels(self.node).inc()
+                if req.stream and msg.reply:
+                    for i, (name, text) in enumerate((("stdout", logged.stdout), ("stderr", logged.stderr))):
+                        if text:
+                            await self.nc.publish(msg.reply, encoder.encode(ExecChunk(stream=name, data=text, seq=i)))  # type: ignore[arg-type]
+                return ok(result=logged)
         on_chunk = None
         pump = None
         queue: asyncio.Queue | None = None
@@ -330,16 +432,22 @@ class NodeAgent:
             stderr_bytes=len(result.stderr), timed_out=result.timed_out,
             detail={"oom_killed": "1"} if result.oom_killed else {},
         ))
+        if req.trajectory and req.step is not None:
+            meta = await self.traj.record(req, sb.id, self.node, result)
+            if meta is not None and self.traj.snapshot_due(meta, req.step):
+                image, _, _ = await self._take_snapshot(sb, sub, f"traj-{req.trajectory.lower()}-{req.step}"[:128], {"trajectory": req.trajectory})
+                await self.traj.add_snapshot(req.trajectory, req.step, image.name)
         return ok(result=result)
 
-    async def _snapshot(self, msg: Msg, sb: Sandbox, sub: Substrate) -> bytes:
+    async def _take_snapshot(self, sb: Sandbox, sub: Substrate, name: str, labels: dict[str, str]):
         """Turn the sandbox's writable layer into an image layer on top of its image's layers.
 
         The sandbox is frozen while the layer is built so the snapshot is consistent, then thawed;
         the new image can be started on any node (the chunks go to the shared chunk store)."""
-        req = bus.decode(msg.data, SnapshotRequest)
-        name = req.name or f"snap-{sb.id}-{int(time.time() * 1000)}"
+        name = name or f"snap-{sb.id}-{int(time.time() * 1000)}"
         check_image_name(name)
+        if hasattr(sub, "snapshot_image"):  # substrates that make images their own way (docker: commit, save, import)
+            return await sub.snapshot_image(sb, name, labels)
         upper, layers = await sub.snapshot_dir(sb)
         was_paused = sb.info.state == "paused"
         t0 = time.perf_counter()
@@ -354,11 +462,67 @@ class NodeAgent:
         await self.catalog.put_layer(layer)
         sizes = [(await self.catalog.layer(d)).size for d in layers]
         image = ImageManifest(name=name, layers=[*layers, layer.digest], created_at=time.time(), size=sum(sizes) + layer.size,
-                              labels={**req.labels, "snapshot_of": sb.id}, parent=sb.info.image)
+                              labels={**labels, "snapshot_of": sb.id}, parent=sb.info.image)
         await self.catalog.put_image(image)
+        SNAPSHOT_SECONDS.labels(self.node).observe(time.perf_counter() - t0)
         logs.kv(log, logging.INFO, "snapshot", sandbox=sb.id, image=name, size=layer.size, uploaded=uploaded,
                 seconds=round(time.perf_counter() - t0, 3))
-        return ok(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
+        return image, layer, uploaded
+
+    # ------------------------------------------------------------------ trajectories
+
+    async def _on_traj_open(self, msg: Msg) -> bytes:
+        r = bus.decode(msg.data, TrajOpenRequest)
+        now = time.time()
+        meta = await self.traj.create(TrajMeta(id=r.id, sandbox_id=r.sandbox_id, spec=r.spec, created_at=now, updated_at=now,
+                                               snapshot_every=r.snapshot_every))
+        return ok(trajectory=meta)
+
+    async def _on_traj_get(self, msg: Msg) -> bytes:
+        r = bus.decode(msg.data, TrajRef)
+        meta = await self.traj.get(r.id)
+        steps = [await self.traj.entry(r.id, s) for s in range(max(0, meta.last_step - 19), meta.last_step + 1)]
+        return ok(trajectory=meta, recent=[e for e in steps if e is not None])
+
+    async def _on_traj_list(self, msg: Msg) -> bytes:
+        r = bus.decode(msg.data, TrajListRequest)
+        out = []
+        for tid in await self.traj.ids():
+            if tid.startswith(r.prefix):
+                m = await self.traj.maybe(tid)
+                if m is not None:
+                    out.append(m)
+        return ok(trajectories=out)
+
+    async def _on_traj_delete(self, msg: Msg) -> bytes:
+        r = bus.decode(msg.data, TrajRef)
+        meta = await self.traj.get(r.id)
+        await self.traj.delete(r.id)
+        for sn in meta.snapshots:
+            try:
+                await self.catalog.images.delete(sn.image)
+            except Exception:
+                pass
+        return ok(id=r.id, snapshots_removed=len(meta.snapshots))
+
+    async def _restore(self, msg: Msg, sb: Sandbox, sub: Substrate) -> bytes:
+        """Bind a trajectory to this (new) sandbox, made from its last snapshot (or its original
+        image), re-running for real the logged steps the snapshot does not contain."""
+        r = bus.decode(msg.data, RestoreRequest)
+        meta = await self.traj.get(r.trajectory)
+        base_step, base_image = (meta.snapshots[-1].step, meta.snapshots[-1].image) if meta.snapshots else (-1, meta.spec.image)
+        if sb.info.image != base_image:
+            raise Conflict(f"trajectory {meta.id!r} must be restored on a sandbox of image {base_image!r} "
+                           f"(its last snapshot, after step {base_step}); this one runs {sb.info.image!r}")
+        t0 = time.perf_counter()
+        entries = await self.traj.steps_after(meta, base_step)
+        for e in entries:
+            await sub.exec(sb, e.request, None)
+        meta.sandbox_id, meta.node = sb.id, self.node
+        await self.traj.put(meta)
+        logs.kv(log, logging.INFO, "trajectory restored", trajectory=meta.id, sandbox=sb.id, from_step=base_step,
+                rerun=len(entries), seconds=round(time.perf_counter() - t0, 3))
+        return ok(trajectory=meta, rerun_steps=len(entries), from_snapshot_step=base_step)
 
     async def destroy(self, sid: str, reason: str) -> None:
         sb = self.sandboxes.get(sid)

@@ -17,7 +17,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from corral_common import bus, logs, metrics, subjects
 from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, NotFound, Unavailable, from_code
 from corral_common.messages import (
-    CreateBatchRequest, Heartbeat, ListRequest, NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id, ok,
+    CreateBatchRequest, Heartbeat, ListRequest, NodeCreate, NodeRun, RunRequest, SandboxInfo, SandboxSpec, encoder, new_id, ok,
 )
 
 from . import placement
@@ -29,6 +29,8 @@ PLACEMENTS = metrics.counter("corral_scheduler_placements_total", "Sandboxes pla
 REJECTIONS = metrics.counter("corral_scheduler_rejections_total", "Create requests refused", ("code",))
 NODES_ALIVE = metrics.gauge("corral_scheduler_nodes_alive", "Nodes with a recent heartbeat")
 PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
+ONE_SHOT_SUBSTRATES = {"function"}
+RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
 
 
 class _Reply(msgspec.Struct):
@@ -65,11 +67,13 @@ class Scheduler:
         self.watcher = await self.kv_placements.watchall()
         self._spawn(self._watch_placements())
         await self.nc.subscribe(subjects.NODE_HEARTBEAT, cb=self._on_heartbeat)
+        self._spawn(self._lost_node_loop())
         self.responder = bus.Responder(self.nc, "scheduler")
         q = subjects.SCHEDULER_QUEUE
         await self.responder.serve(subjects.SANDBOX_CREATE, self._on_create, "create", queue=q)
         await self.responder.serve(subjects.SANDBOX_CREATE_BATCH, self._on_create_batch, "create_batch", queue=q)
         await self.responder.serve(subjects.SANDBOX_LIST, self._on_list, "list", queue=q)
+        await self.responder.serve(subjects.SANDBOX_RUN, self._on_run, "run", queue=q)
         # answers `not_found` for sandboxes no node owns, so raw NATS clients get a JSON reply
         # instead of a bare "no responders" status
         for pattern in (f"{subjects.PREFIX}.sandbox.*.*", f"{subjects.PREFIX}.sandbox.*.files.*"):
@@ -121,6 +125,33 @@ class Scheduler:
         except Exception:
             pass
 
+    async def _lost_node_loop(self) -> None:
+        """A node that stops heartbeating is lost: its sandboxes are reported lost and dropped from
+        the placements, so calls to them get `not_found` and new work goes elsewhere. If the node
+        comes back, its agent re-registers whatever it adopts."""
+        lost: set[str] = set()
+        while True:
+            await asyncio.sleep(1.0)
+            alive = {s.hb.node for s in self.registry.alive()}
+            for node, st in list(self.registry.nodes.items()):
+                if node in alive:
+                    lost.discard(node)
+                    continue
+                if node in lost or st.hb.stopping:
+                    continue
+                lost.add(node)
+                victims = [i for i in self.placed.values() if i.node == node]
+                logs.kv(log, logging.WARNING, "node lost", node=node, sandboxes=len(victims))
+                await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
+                for info in victims:
+                    await self.nc.publish(subjects.event(info.id, "lost"), encoder.encode(
+                        {"kind": "lost", "ts": time.time(), "sandbox_id": info.id, "node": node, "job": info.job,
+                         "reason": f"node {node} stopped heartbeating"}))
+                    try:
+                        await self.kv_placements.delete(info.id)
+                    except Exception:
+                        pass
+
     async def _watch_placements(self) -> None:
         async for e in self.watcher:
             if e is None:  # end of the initial values
@@ -140,7 +171,10 @@ class Scheduler:
         info = await self.create(spec)
         return ok(sandbox=info)
 
-    def _check_substrate(self, spec: SandboxSpec) -> None:
+    def _check_substrate(self, spec: SandboxSpec, one_shot: bool = False) -> None:
+        if spec.substrate in ONE_SHOT_SUBSTRATES and not one_shot:
+            raise InvalidRequest(f"substrate {spec.substrate!r} is one-shot: send {{\"spec\", \"exec\"}} to {subjects.SANDBOX_RUN} "
+                                 f"(SDK client.run / client.call); for a sandbox that stays use 'container' or 'docker'")
         if spec.substrate in PLANNED_SUBSTRATES:
             raise InvalidRequest(f"substrate {spec.substrate!r} ({PLANNED_SUBSTRATES[spec.substrate]}) is planned but not available yet; "
                                  f"available: {', '.join(sorted(self.registry.substrates())) or 'none'}")
@@ -239,6 +273,53 @@ class Scheduler:
             raise from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
         return r.sandbox
 
+    async def _on_run(self, msg: Msg) -> bytes:
+        """`corral.v1.sandbox.run`: place a one-shot call on a node offering its substrate (spread,
+        like create; the next candidate on `capacity`/`unavailable`) and relay the node's answer
+        `{"ok", "result", "sandbox_id", "node"}`. Nothing is recorded: the sandbox is gone when
+        the reply arrives."""
+        req = bus.decode(msg.data, RunRequest)
+        spec = req.spec.to_spec()
+        self._check_substrate(spec, one_shot=True)
+        if isinstance(req.exec.cmd, str) and not req.exec.cmd.strip():
+            raise InvalidRequest("exec.cmd is empty")
+        if req.exec.stream or req.exec.session or req.exec.trajectory:
+            raise InvalidRequest("a one-shot run answers with one message and keeps nothing: exec.stream, exec.session "
+                                 "and exec.trajectory need a sandbox (create one, then exec)")
+        alive = self.registry.alive()
+        data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
+        tried: list[str] = []
+        last: CorralError | None = None
+        for st in placement.candidates(alive, spec)[:3]:
+            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
+            st.reservations.append(res)
+            tried.append(st.hb.node)
+            try:
+                resp = await self.nc.request(subjects.node_run(st.hb.node), data, timeout=req.exec.timeout_s + RUN_SLACK_S)
+            except NoRespondersError:
+                last = Unavailable(f"node {st.hb.node} is not answering")
+                continue
+            except NatsTimeout:
+                raise CorralError(f"node {st.hb.node} did not answer the run within {req.exec.timeout_s + RUN_SLACK_S:g}s",
+                                  Code.TIMEOUT) from None
+            finally:
+                st.reservations.remove(res)
+            if resp.data.startswith(b'{"ok":true'):
+                PLACEMENTS.labels(st.hb.node).inc()
+                return resp.data
+            r = msgspec.json.decode(resp.data, type=_Reply)
+            err = r.error or {}
+            e = from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
+            if e.code in (Code.CAPACITY, Code.UNAVAILABLE):
+                last = e
+                continue
+            REJECTIONS.labels(e.code.value).inc()
+            raise e
+        REJECTIONS.labels("capacity").inc()
+        detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
+        raise Capacity(f"no node has room for a run with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
+                       f"({placement.describe_room(alive)}){detail}", retry_after_s=0.5)
+
     async def _on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)
         spec = req.spec
@@ -290,7 +371,14 @@ class Scheduler:
     async def _on_orphan(self, msg: Msg) -> None:
         parts = msg.subject.split(".")
         sid = parts[3]
-        if sid in self.placed or not msg.reply:
+        if not msg.reply:
+            return
+        if sid in self.placed:
+            node = self.placed[sid].node
+            if node in {s.hb.node for s in self.registry.alive()}:
+                return  # owned by a live node: it answers
+            await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
+                "code": "not_found", "message": f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"}}))
             return
         await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
         if sid in self.placed:

@@ -112,6 +112,7 @@ class Loader:
         self.st = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
         self.tasks: set[asyncio.Task] = set()
+        self.audit_tasks: set[asyncio.Task] = set()
         self.audit_last: dict[tuple[str, int], float] = {}
         self.last_demand = time.monotonic()
         self.over_cap_warned = False
@@ -170,6 +171,8 @@ class Loader:
         for rec in list(self.recordings.values()):
             await self._finish_recording(rec)
         await self._unmount()
+        if self.audit_tasks:  # error events already raised should still reach the stream
+            await asyncio.wait(list(self.audit_tasks), timeout=3)
         for t in list(self.tasks):
             t.cancel()
         await self.pool.stop()
@@ -441,7 +444,9 @@ class Loader:
                         path=os.path.join(self.mount, layer.digest),
                         detail={"layer": layer.digest, "chunk": str(i), "hash": e.h, "reason": e.reason, "error": e.message,
                                 "priority": PRIO_NAMES[prio]})
-        self._spawn(self._publish_audit(ev))
+        t = self._spawn(self._publish_audit(ev))
+        self.audit_tasks.add(t)
+        t.add_done_callback(self.audit_tasks.discard)
 
     async def _publish_audit(self, ev: AuditEvent) -> None:
         try:
@@ -627,6 +632,7 @@ class Loader:
             "fetch_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0), "n": len(lat)},
             "queued": self.pool.queued(),
             "inflight": len(self.pool.inflight),
+            "pending": len(self.pending),  # chunk loads not finished (fetching, verifying or writing)
             "recording": sorted(self.recordings),
             "layers": {
                 d: {"size": x.size, "chunk_size": x.cs, "chunks": x.n, "cached_chunks": x.present,

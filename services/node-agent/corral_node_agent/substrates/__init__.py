@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from .base import Substrate
 from .container import ContainerSubstrate
+from .function import FunctionSubstrate
 
 REGISTRY: dict[str, type[Substrate]] = {
     ContainerSubstrate.name: ContainerSubstrate,
+    FunctionSubstrate.name: FunctionSubstrate,
 }
 
 __all__ = ["REGISTRY", "Substrate"]

@@ -3,7 +3,8 @@ Docker, later microVMs) is one class with these async methods and a registry ent
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
 import msgspec
@@ -73,6 +74,26 @@ class Substrate(abc.ABC):
 
     @abc.abstractmethod
     async def usage(self, sb: Sandbox) -> Usage: ...
+
+    async def run(self, info: SandboxInfo, spec: SandboxSpec, req: ExecRequest,
+                  on_chunk: ChunkCallback | None) -> tuple[ExecResult, Callable[[], Awaitable[None]]]:
+        """One-shot (`corral.v1.sandbox.run`): a fresh sandbox, one exec, then gone.
+
+        Returns the result and a finaliser that removes the sandbox; the agent replies first and
+        then awaits the finaliser, so teardown is off the caller's clock. A substrate may set
+        `info.id` (the `function` substrate hands out sandboxes prepared ahead under their own
+        id). The default is this substrate's own create, exec and destroy."""
+        sb = await self.create(info, spec)
+        try:
+            result = await self.exec(sb, req, on_chunk)
+        except BaseException:
+            await asyncio.shield(self.destroy(sb))
+            raise
+        return result, lambda: self.destroy(sb)
+
+    #: `spec.image` names an image in corral's catalog (checked by the agent before create);
+    #: False for substrates that resolve images themselves (docker: local Docker images)
+    uses_catalog: ClassVar[bool] = True
 
     def watch_exit(self, sb: Sandbox, callback: Callable[[Sandbox], None]) -> None:
         """Call `callback` if the sandbox dies on its own (not through destroy)."""

@@ -1,0 +1,524 @@
+"""Monitor benchmark: ingest throughput into the embedded ClickHouse, alert latency, and the cost
+of auditing on exec latency. One embedded stack (nats-server, image-cache, scheduler, monitor,
+one node-agent), everything on this machine.
+
+  ingest    a backlog of N exec audit events (batches of 256, as the node-agent publishes them;
+            realistic commands, 0.1% of them misbehaving) is published to CORRAL_AUDIT while the
+            monitor is stopped; the monitor is then started with --workers W and the time from its
+            first stored event to its last is measured from its Prometheus counter
+            (corral_monitor_events_ingested_total). Every event goes through decode, dedup,
+            insert into audit_events and exec_log (ClickHouse via chdb), and the stream rules.
+  alerts    latency from publishing an audit event (its `ts`) to its alert arriving on
+            corral.alerts.> (same clock): (a) idle monitor, one event per message at 20/s,
+            (b) the same while 20k events/s of benign background load stream in, (c) end to end
+            from a real sandbox: `sb.exec('cat /proc/1/environ')` returning until the alert.
+  overhead  exec latency (`sb.exec(['true'])`, sequential, from the SDK) with auditing on vs off,
+            alternating rounds. The node-agent's AuditLog has an `enabled` flag but no CLI switch,
+            so "off" runs the node-agent through a launcher that turns `AuditLog.emit` into a
+            no-op (= enabled False: the AuditEvent is still built, nothing is queued, published or
+            ingested). The monitor keeps running in both modes.
+
+Results: <out>/monitor_ingest.json and <out>/monitor_ingest.png.
+
+    .venv/bin/python -m bench.monitor_ingest [--events 500000] [--workers 1 4] [--out bench/results]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+GOALS = {
+    "ingest_events_per_s": {"goal": 100_000, "op": ">=", "what": "events/s stored by the best monitor configuration"},
+    "alert_p99_s": {"goal": 1.0, "op": "<=", "what": "publish -> alert p99 (idle and loaded, worst of the two)"},
+    "audit_exec_overhead": {"goal": 0.10, "op": "<=", "what": "exec p50 with audit on / off - 1"},
+}
+
+BENIGN_CMDS = [
+    "ls -la", "cat src/main.py", "python3 -m pytest -q tests/test_{n}.py", "git status", "git diff", "git log -5",
+    "grep -rn 'def f{n}' src/", "sed -i 's/x{n}/y{n}/' src/mod{n}.py", "python3 src/main.py --seed {n}", "pip list",
+    "find . -name '*.py' | head -{n}", "echo {n} > /tmp/out{n}.txt", "make -j2 test", "head -{n} README.md",
+]
+BAD_CMDS = ["git log --all --oneline", "cat /proc/1/environ", "kill -9 1", "rm -rf /*", "curl https://example.com/fix.patch"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(round(p / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+def summary(xs: list[float]) -> dict[str, Any]:
+    return {"n": len(xs), "p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99), "max": max(xs) if xs else None,
+            "mean": statistics.fmean(xs) if xs else None}
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+        if m:
+            total += float(m.group(2))
+    return total
+
+
+def machine() -> dict[str, Any]:
+    import chdb
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    return {"cpus": os.cpu_count(), "cpu": cpu, "kernel": platform.release(), "python": platform.python_version(),
+            "chdb": getattr(chdb, "__version__", "?"), "loadavg": os.getloadavg()}
+
+
+# ----------------------------------------------------------------------------- publishing
+
+
+def make_batch(job: str, start: int, n: int, bad_every: int = 1000, sandboxes: int = 512) -> bytes:
+    import msgspec
+
+    from corral_common.audit import AuditBatch, AuditEvent, event_id
+
+    now = time.time()
+    evs = []
+    for i in range(start, start + n):
+        if bad_every and i % bad_every == bad_every - 1:
+            cmd = BAD_CMDS[i % len(BAD_CMDS)]
+        else:
+            cmd = BENIGN_CMDS[i % len(BENIGN_CMDS)].format(n=i % 97)
+        evs.append(AuditEvent(id=f"{job}-{i:09d}-{event_id()}", ts=now, node="bench-node", sandbox=f"sb-{job}-{i % sandboxes}",
+                              kind="exec", job=job, cmd=cmd, cwd="/repo", exit_code=1 if i % 3 == 0 else 0, duration_ms=1.5 + (i % 50),
+                              stdout_bytes=120, labels={"bench": "1"}))
+    return msgspec.json.encode(AuditBatch(events=evs))
+
+
+async def publish_backlog(js, job: str, total: int, per_msg: int = 256) -> float:
+    t0 = time.perf_counter()
+    futs = []
+    for start in range(0, total, per_msg):
+        futs.append(js.publish(f"corral.audit.bench-node.sb-{job}", make_batch(job, start, min(per_msg, total - start))))
+        if len(futs) >= 64:
+            await asyncio.gather(*futs)
+            futs = []
+    await asyncio.gather(*futs)
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- stack control
+
+
+async def wait_query(nc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = await nc.request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout=2)
+            if r.data.startswith(b'{"ok":true'):
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError("the monitor did not come up")
+
+
+async def stop_proc(stack, name: str) -> None:
+    p = stack.proc(name)
+    if p.popen.poll() is None:
+        p.popen.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(p.popen.wait, 60)
+
+
+def set_opt(argv: list[str], opt: str, value: str | None) -> list[str]:
+    argv = list(argv)
+    while opt in argv:
+        i = argv.index(opt)
+        del argv[i:i + 2]
+    if value is not None:
+        argv += [opt, value]
+    return argv
+
+
+async def restart_monitor(stack, nc, **opts: str | None) -> str:
+    await stop_proc(stack, "monitor")
+    p = stack.proc("monitor")
+    argv = list(p.argv)
+    for k, v in opts.items():
+        argv = set_opt(argv, "--" + k.replace("_", "-"), v)
+    p.argv[:] = argv
+    stack.restart("monitor")
+    await wait_query(nc)
+    return stack.proc("monitor").metrics_url
+
+
+# ----------------------------------------------------------------------------- 1. ingest
+
+
+async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: int) -> list[dict[str, Any]]:
+    js = nc.jetstream()
+    out = []
+    for w in workers_list:
+        job = f"ingest-w{w}-{int(time.time())}"
+        await stop_proc(stack, "monitor")
+        pub_s = await publish_backlog(js, job, events)
+        log(f"ingest: backlog of {events} events published in {pub_s:.2f}s; starting the monitor with --workers {w}")
+        t_start = time.perf_counter()
+        p = stack.proc("monitor")
+        p.argv[:] = set_opt(set_opt(p.argv, "--workers", str(w)), "--batch", str(batch))
+        stack.restart("monitor")
+        url = stack.proc("monitor").metrics_url
+        first = last = None
+        samples: list[tuple[float, float]] = []
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                v = metric(url, "corral_monitor_events_ingested_total")
+            except Exception:
+                await asyncio.sleep(0.05)
+                continue
+            now = time.perf_counter()
+            samples.append((now - t_start, v))
+            if v > 0 and first is None:
+                first = now
+            if v >= events:
+                last = now
+                break
+            await asyncio.sleep(0.02)
+        if last is None:
+            raise RuntimeError(f"ingest with {w} workers did not finish")
+        await wait_query(nc)
+        r = json.loads((await nc.request("corral.v1.monitor.query", json.dumps(
+            {"sql": f"SELECT count(), count(DISTINCT id) FROM audit_events WHERE job = '{job}'"}).encode(), timeout=30)).data)
+        stored, distinct = r["rows"][0]
+        alerts = metric(url, "corral_monitor_alerts_total")
+        suppressed = metric(url, "corral_monitor_alerts_suppressed_total")
+        insert_sum = metric(url, "corral_monitor_insert_seconds_sum")
+        rules_sum = metric(url, "corral_monitor_rules_seconds_sum")
+        dur = last - first
+        res = {"workers": w, "events": events, "batch_messages": batch, "events_per_message": 256,
+               "seconds_first_to_last": dur, "events_per_s": events / dur if dur > 0 else None,
+               "seconds_including_start": last - t_start, "stored": stored, "distinct": distinct,
+               "alerts_raised": alerts, "alerts_suppressed": suppressed,
+               "insert_seconds_total": insert_sum, "rules_seconds_total": rules_sum,
+               "curve": [(round(t, 3), v) for t, v in samples[:: max(1, len(samples) // 200)]]}
+        log(f"ingest: {w} worker(s): {events} events in {dur:.2f}s = {res['events_per_s']:,.0f} events/s "
+            f"(stored {stored}, distinct {distinct}; insert {insert_sum:.2f}s, rules {rules_sum:.2f}s)")
+        out.append(res)
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. alert latency
+
+
+async def alert_latency(nc, n: int, rate: float, load_eps: float = 0.0) -> dict[str, Any]:
+    import msgspec
+
+    from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
+
+    js = nc.jetstream()
+    tag = f"lat{int(time.time() * 1000) % 10**9}"
+    sent: dict[str, float] = {}
+    got: dict[str, float] = {}
+    done = asyncio.Event()
+
+    async def on_alert(msg) -> None:
+        t = time.time()
+        try:
+            a = msgspec.json.decode(msg.data, type=Alert)
+        except Exception:
+            return
+        if a.sandbox.startswith(f"sb-{tag}-") and a.sandbox not in got:
+            got[a.sandbox] = t
+            if len(got) >= n:
+                done.set()
+
+    sub = await nc.subscribe("corral.alerts.>", cb=on_alert)
+    stop_load = asyncio.Event()
+
+    async def load() -> int:
+        k = 0
+        per = 256
+        interval = per / load_eps
+        nxt = time.perf_counter()
+        while not stop_load.is_set():
+            await js.publish("corral.audit.bench-node.sb-load", make_batch(f"load-{tag}", k, per, bad_every=0))
+            k += per
+            nxt += interval
+            await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+        return k
+
+    loader = asyncio.create_task(load()) if load_eps else None
+    if loader:
+        await asyncio.sleep(1.0)
+    for i in range(n):
+        sb = f"sb-{tag}-{i}"
+        ts = time.time()
+        ev = AuditEvent(id=f"{tag}-{i}-{event_id()}", ts=ts, node="bench-node", sandbox=sb, kind="exec", job=f"latency-{tag}",
+                        cmd="cat /proc/1/environ", cwd="/", exit_code=1)
+        sent[sb] = ts
+        await js.publish(f"corral.audit.bench-node.{sb}", msgspec.json.encode(AuditBatch(events=[ev])))
+        await asyncio.sleep(1.0 / rate)
+    try:
+        await asyncio.wait_for(done.wait(), 30)
+    except TimeoutError:
+        pass
+    stop_load.set()
+    loaded = await loader if loader else 0
+    await sub.unsubscribe()
+    lat = [got[k] - sent[k] for k in sent if k in got]
+    res = {"n": n, "rate_per_s": rate, "background_events_per_s": load_eps, "background_events": loaded,
+           "received": len(lat), "latency_s": summary(lat)}
+    log(f"alerts ({'load ' + format(load_eps, ',.0f') + ' ev/s' if load_eps else 'idle'}): {len(lat)}/{n} received, "
+        f"p50 {res['latency_s']['p50'] * 1000:.1f} ms, p99 {res['latency_s']['p99'] * 1000:.1f} ms")
+    return res
+
+
+async def alert_latency_real(client, n: int) -> dict[str, Any]:
+    """From a real exec's return to its alert (node-agent batching + JetStream + monitor)."""
+    lat: list[float] = []
+    job = f"latency-real-{int(time.time())}"
+    async with client.alerts.subscribe(job=job) as alerts:
+        sbs = await client.create_batch(n, image="busybox", cpu=0.05, memory_mb=32, ttl_s=600, job=job)
+        try:
+            for sb in sbs:
+                t0 = time.time()
+                await sb.exec("cat /proc/1/environ")
+                t_ret = time.time()
+                while True:
+                    a = await alerts.next(timeout=10)
+                    if a.sandbox == sb.id:
+                        break
+                lat.append(time.time() - t_ret)
+                _ = t0
+        finally:
+            await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
+    res = {"n": n, "latency_s": summary(lat)}
+    log(f"alerts (real exec): p50 {res['latency_s']['p50'] * 1000:.1f} ms, p99 {res['latency_s']['p99'] * 1000:.1f} ms")
+    return res
+
+
+# ----------------------------------------------------------------------------- 3. audit overhead
+
+AUDIT_OFF = ("import corral_node_agent.auditlog as a; a.AuditLog.emit = lambda self, ev: None; "
+             "import runpy; runpy.run_module('corral_node_agent', run_name='__main__', alter_sys=True)")
+
+
+async def restart_node(stack, client, audit: bool) -> None:
+    await stop_proc(stack, "node-1")
+    p = stack.proc("node-1")
+    rest = list(p.argv)[3:]  # [python, -m|-c, module|code, *options]
+    p.argv[:] = [sys.executable, "-m", "corral_node_agent", *rest] if audit else [sys.executable, "-c", AUDIT_OFF, *rest]
+    stack.restart("node-1")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            sb = await client.create(image="busybox", cpu=0.05, memory_mb=32, ttl_s=60)
+            await sb.destroy()
+            return
+        except Exception:
+            await asyncio.sleep(0.3)
+    raise TimeoutError("node-1 did not come back")
+
+
+async def exec_round(client, n: int, warmup: int, conc: int) -> dict[str, Any]:
+    sb = await client.create(image="busybox", cpu=0.5, memory_mb=64, ttl_s=600, job="bench-overhead")
+    try:
+        for _ in range(warmup):
+            await sb.exec(["true"])
+        seq = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await sb.exec(["true"])
+            seq.append((time.perf_counter() - t0) * 1000)
+        # throughput with `conc` concurrent callers
+        t0 = time.perf_counter()
+        per = max(1, n // conc)
+
+        async def loop() -> None:
+            for _ in range(per):
+                await sb.exec(["true"])
+
+        await asyncio.gather(*(loop() for _ in range(conc)))
+        thr = per * conc / (time.perf_counter() - t0)
+    finally:
+        await sb.destroy()
+    return {"sequential_ms": summary(seq), "concurrent_execs_per_s": thr, "concurrency": conc}
+
+
+async def bench_overhead(stack, client, n: int, rounds: int) -> dict[str, Any]:
+    res: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for r in range(rounds):
+        for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            await restart_node(stack, client, audit=(mode == "on"))
+            x = await exec_round(client, n, warmup=30, conc=8)
+            res[mode].append(x)
+            log(f"overhead: round {r + 1} audit {mode}: exec p50 {x['sequential_ms']['p50']:.3f} ms, "
+                f"p99 {x['sequential_ms']['p99']:.3f} ms, {x['concurrent_execs_per_s']:,.0f} execs/s (8 callers)")
+    await restart_node(stack, client, audit=True)
+    p50 = {m: statistics.median(x["sequential_ms"]["p50"] for x in v) for m, v in res.items()}
+    p99 = {m: statistics.median(x["sequential_ms"]["p99"] for x in v) for m, v in res.items()}
+    thr = {m: statistics.median(x["concurrent_execs_per_s"] for x in v) for m, v in res.items()}
+    return {"rounds": res, "p50_ms": p50, "p99_ms": p99, "execs_per_s": thr,
+            "p50_overhead": p50["on"] / p50["off"] - 1, "p99_overhead": p99["on"] / p99["off"] - 1,
+            "throughput_overhead": 1 - thr["on"] / thr["off"], "n_per_round": n}
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    ax = axes[0]
+    ing = res.get("ingest", [])
+    if ing:
+        labels = [f"{x['workers']} worker{'s' if x['workers'] > 1 else ''}" for x in ing]
+        vals = [x["events_per_s"] or 0 for x in ing]
+        ax.bar(labels, vals, color="#4c72b0")
+        ax.axhline(GOALS["ingest_events_per_s"]["goal"], color="red", ls="--", label="goal 100k/s")
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
+        ax.set_ylabel("events/s stored (audit_events + exec_log)")
+        ax.set_title(f"ingest into embedded ClickHouse ({ing[0]['events']:,} events)")
+        ax.legend()
+    ax = axes[1]
+    al = res.get("alerts", {})
+    names = [k for k in ("idle", "loaded", "real_exec") if k in al]
+    if names:
+        p50 = [al[k]["latency_s"]["p50"] * 1000 for k in names]
+        p99 = [al[k]["latency_s"]["p99"] * 1000 for k in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50", color="#55a868")
+        ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99", color="#c44e52")
+        ax.axhline(1000, color="red", ls="--", label="goal p99 1 s")
+        ax.set_xticks(list(xs))
+        lbl = {"idle": "idle", "loaded": f"loaded\n({al.get('loaded', {}).get('background_events_per_s', 0):,.0f} ev/s)",
+               "real_exec": "real exec\n(node-agent batching)"}
+        ax.set_xticklabels([lbl[k] for k in names])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms from event to alert")
+        ax.set_title("alert latency")
+        ax.legend()
+    ax = axes[2]
+    ov = res.get("overhead")
+    if ov:
+        modes = ["off", "on"]
+        xs = range(2)
+        ax.bar([x - 0.2 for x in xs], [ov["p50_ms"][m] for m in modes], width=0.4, label="p50", color="#4c72b0")
+        ax.bar([x + 0.2 for x in xs], [ov["p99_ms"][m] for m in modes], width=0.4, label="p99", color="#dd8452")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(["audit off", "audit on"])
+        ax.set_ylabel("ms per sb.exec(['true']) (sequential)")
+        ax.set_title(f"audit overhead: p50 {ov['p50_overhead'] * 100:+.1f}%, p99 {ov['p99_overhead'] * 100:+.1f}%")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import nats
+
+    from corral_sdk import AsyncClient
+    from corral_sdk.stack import Stack, free_port
+
+    data = tempfile.mkdtemp(prefix="crl-bench-mon-", dir="/tmp")
+    stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=args.image_dir)
+    res: dict[str, Any] = {"benchmark": "monitor_ingest", "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                           "machine": machine(), "goals": GOALS}
+    log(f"starting the embedded stack in {data}")
+    await stack.start(timeout=120)
+    nc = await nats.connect(stack.url, max_reconnect_attempts=-1)
+    client = await AsyncClient.connect(stack.url)
+    try:
+        if "ingest" in args.only:
+            res["ingest"] = await bench_ingest(stack, nc, args.events, args.workers, args.batch)
+            await restart_monitor(stack, nc, workers="1", batch="256")
+        if "alerts" in args.only:
+            res["alerts"] = {"idle": await alert_latency(nc, args.alerts, rate=20)}
+            res["alerts"]["loaded"] = await alert_latency(nc, args.alerts, rate=20, load_eps=args.load_eps)
+            res["alerts"]["real_exec"] = await alert_latency_real(client, args.real)
+        if "overhead" in args.only:
+            res["overhead"] = await bench_overhead(stack, client, args.execs, args.rounds)
+    finally:
+        await client.close()
+        await nc.close()
+        await stack.stop()
+        if args.keep:
+            log(f"kept {data}")
+        else:
+            shutil.rmtree(data, ignore_errors=True)
+    verdict = {}
+    if res.get("ingest"):
+        verdict["ingest_events_per_s"] = max(x["events_per_s"] or 0 for x in res["ingest"])
+    if res.get("alerts"):
+        verdict["alert_p99_s"] = max(res["alerts"][k]["latency_s"]["p99"] for k in ("idle", "loaded"))
+    if res.get("overhead"):
+        verdict["audit_exec_overhead"] = res["overhead"]["p50_overhead"]
+    res["verdict"] = {k: {"value": v, **GOALS[k], "met": (v >= GOALS[k]["goal"]) if GOALS[k]["op"] == ">=" else (v <= GOALS[k]["goal"])}
+                      for k, v in verdict.items()}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="monitor ingest throughput, alert latency, audit overhead")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--events", type=int, default=500_000, help="backlog size for the ingest runs")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4], help="monitor --workers values to compare")
+    ap.add_argument("--batch", type=int, default=64, help="messages per fetch (each message carries 256 events)")
+    ap.add_argument("--alerts", type=int, default=200, help="alert latency samples per scenario")
+    ap.add_argument("--load-eps", type=float, default=20_000, help="background events/s for the loaded latency run")
+    ap.add_argument("--real", type=int, default=30, help="real-sandbox alert latency samples")
+    ap.add_argument("--execs", type=int, default=400, help="execs per overhead round")
+    ap.add_argument("--rounds", type=int, default=2, help="overhead rounds (each runs audit on and off)")
+    ap.add_argument("--only", nargs="+", default=["ingest", "alerts", "overhead"], choices=["ingest", "alerts", "overhead"])
+    ap.add_argument("--keep", action="store_true", help="keep the stack's data dir (logs) for inspection")
+    ap.add_argument("--image-dir", default=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    res = asyncio.run(run(args))
+    jpath = os.path.join(args.out, "monitor_ingest.json")
+    with open(jpath, "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    ppath = os.path.join(args.out, "monitor_ingest.png")
+    plot(res, ppath)
+    for k, v in res.get("verdict", {}).items():
+        log(f"goal {k}: {v['value']:.4g} {v['op']} {v['goal']} -> {'met' if v['met'] else 'NOT met'}")
+    log(f"wrote {jpath} and {ppath}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

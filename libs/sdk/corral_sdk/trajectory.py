@@ -1,0 +1,145 @@
+"""Trajectories for RL frameworks: a rollout's steps logged on the bus, so a preempted trainer
+that restarts the same rollout fast-forwards through the steps it already took.
+
+    async with client.trajectory("rollout-17", image="debian", cpu=0.5) as t:
+        r = await t.exec("pytest -x")     # step 0, 1, 2, ... counted for you
+
+Resuming with the same id re-issues steps from 0: logged steps come back at once with
+`replayed=True` (never executed twice); the first new step runs for real. If the sandbox itself
+was lost, a new one is made from the trajectory's last snapshot and the logged steps after it are
+re-run on the node before the rollout continues."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from corral_common import subjects
+from corral_common.errors import NotFound, Timeout
+from corral_common.messages import ExecResult, SandboxSpec, TrajEntry, TrajMeta, encoder
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, AsyncSandbox
+
+
+class _MetaReply(msgspec.Struct):
+    ok: bool
+    trajectory: TrajMeta | None = None
+    trajectories: list[TrajMeta] | None = None
+    recent: list[TrajEntry] | None = None
+    rerun_steps: int = 0
+
+
+class Trajectories:
+    """List, inspect and delete trajectories (`client.trajectories`)."""
+
+    def __init__(self, client: AsyncClient):
+        self.client = client
+
+    async def _req(self, subject: str, body: dict) -> _MetaReply:
+        r = await self.client.request(subject, encoder.encode(body), 30.0, raw=True)
+        return msgspec.convert(r.raw, _MetaReply)
+
+    async def list(self, prefix: str = "") -> list[TrajMeta]:
+        return (await self._req(subjects.TRAJ_LIST, {"prefix": prefix})).trajectories or []
+
+    async def get(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
+        r = await self._req(subjects.TRAJ_GET, {"id": tid})
+        assert r.trajectory is not None
+        return r.trajectory, r.recent or []
+
+    async def delete(self, tid: str) -> None:
+        await self._req(subjects.TRAJ_DELETE, {"id": tid})
+
+
+class Trajectory:
+    def __init__(self, client: AsyncClient, tid: str, spec: SandboxSpec, snapshot_every: int = 10, keepalive_s: float | None = None):
+        self.client = client
+        self.id = tid
+        self.spec = spec
+        self.snapshot_every = snapshot_every
+        self.keepalive_s = keepalive_s if keepalive_s is not None else max(1.0, min(60.0, spec.ttl_s / 3))
+        self.step = 0
+        self.sandbox: AsyncSandbox | None = None
+        self.resumed = False
+        self.rerun_steps = 0
+        self.lost_wait_s = 60.0
+        self._keepalive: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Trajectory:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        tr = Trajectories(self.client)
+        try:
+            meta, _ = await tr.get(self.id)
+        except NotFound:
+            meta = None
+        if meta is None:
+            sb = await self.client.create_spec(self.spec)
+            r = await tr._req(subjects.TRAJ_OPEN, {"id": self.id, "sandbox_id": sb.id, "spec": self.spec,
+                                                     "snapshot_every": self.snapshot_every})
+            assert r.trajectory is not None
+            if r.trajectory.sandbox_id != sb.id:  # another opener won the race
+                await sb.destroy()
+                sb = await self._attach(r.trajectory)
+            self.sandbox = sb
+        else:
+            self.resumed = True
+            self.sandbox = await self._attach(meta)
+        self._keepalive = asyncio.create_task(self._renew_loop())
+
+    async def _attach(self, meta: TrajMeta) -> AsyncSandbox:
+        sb = self.client.sandbox(meta.sandbox_id)
+        deadline = asyncio.get_running_loop().time() + self.lost_wait_s
+        while True:
+            try:
+                await sb.refresh(timeout=3)
+                return sb
+            except NotFound:
+                break
+            except Timeout:
+                # its node may have died: the scheduler declares it lost within seconds
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+        
+        # the sandbox is gone: a new one from the last snapshot, then the node re-runs the rest
+        image = meta.snapshots[-1].image if meta.snapshots else meta.spec.image
+        sb = await self.client.create_spec(msgspec.structs.replace(meta.spec, image=image, request_id=""))
+        r = await sb._call("restore", {"trajectory": self.id}, timeout=3600, raw=True)
+        self.rerun_steps = (r.raw or {}).get("rerun_steps", 0)
+        return sb
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive_s)
+            with contextlib.suppress(Exception):
+                assert self.sandbox is not None
+                await self.sandbox.renew()
+
+    async def exec(self, cmd: str | list[str], **kw: Any) -> ExecResult:
+        assert self.sandbox is not None, "use `async with client.trajectory(...)` or await open()"
+        r = await self.sandbox.exec(cmd, trajectory=self.id, step=self.step, **kw)
+        self.step += 1
+        return r
+
+    async def close(self) -> None:
+        """Stop renewing the lease; the sandbox lives on until its ttl (resume may still come)."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+
+    async def finish(self, delete_log: bool = False) -> None:
+        """The rollout is done: destroy the sandbox (and optionally the log and its snapshots)."""
+        await self.close()
+        if self.sandbox is not None:
+            with contextlib.suppress(NotFound):
+                await self.sandbox.destroy()
+        if delete_log:
+            await Trajectories(self.client).delete(self.id)

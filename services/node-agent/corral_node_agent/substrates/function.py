@@ -1,0 +1,494 @@
+"""The `function` substrate: one command in a fresh, throwaway sandbox, returned and gone.
+
+Isolation is the `container` substrate's, from the same OCI config (`oci.config`): new pid, mount,
+network, ipc, uts and cgroup namespaces, the same seccomp filter, empty capability sets,
+no_new_privs, masked /proc corners, cgroup limits for memory, cpu and pids, and a root that is
+overlayfs over the image's read-only EROFS layers with a private upper on a size-capped tmpfs.
+
+What it leaves out is what a one-shot call does not need: there is no resident init, no control
+socket and no `runc exec`. The command itself is the container's process, started by one
+`runc run -d` whose stdin, stdout and stderr are the call's pipes (runc passes them through). When
+the command exits, its pid namespace goes with it, so nothing it started outlives the call; a
+timeout freezes and kills the sandbox's cgroup.
+
+What does not depend on the call is done before it arrives: for every recently used image a few
+*slots* are kept ready (layers mounted through the node's loader, tmpfs, overlay root, and a
+network namespace holding only `lo`, already up, which runc joins instead of creating one, which
+is also what makes runc fastest). A call takes a slot, applies its disk size and workdir, writes
+config.json, runs runc and waits. The reply goes out as soon as the command has exited; the
+teardown (cgroup, runc state, mounts, files, layer references) follows right after, off the
+caller's clock. Slots unused for `slot_idle_s` are released; a node-agent restart cleans up every
+slot and every call it finds."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from corral_common import linux
+from corral_common.errors import Internal, InvalidRequest, Unavailable
+from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+from .. import cgroups, confine, oci
+from ..layermounts import LayerMounts
+from ..output import PipeReader
+from .base import AdoptReport, ChunkCallback, Sandbox
+from .container import DEFAULT_ENV, ContainerSubstrate, _feed, wait_pid
+
+log = logging.getLogger("corral.node.function")
+
+MS_REMOUNT = 32
+CLONE_NEWNET = 0x40000000
+ID_PREFIX = "fn-"
+
+
+@dataclass
+class Hold:
+    """The node's layer mounts of one image, taken once and shared by all its slots (so a call
+    costs the loader no prepare/release round trip); given back once dropped and unused."""
+
+    image: str
+    lowers: list[str]
+    layers: list[str]
+    users: int = 0
+    dropped: bool = False
+
+
+@dataclass
+class Slot:
+    """A prepared, never used sandbox root: `sdir/rootfs` (overlay), `sdir/rw` (tmpfs upper),
+    `sdir/netns` (a bind-mounted network namespace with lo up)."""
+
+    sid: str
+    sdir: str
+    hold: Hold
+    disk_mb: int
+    made_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def rootfs(self) -> str:
+        return f"{self.sdir}/rootfs"
+
+
+class FunctionSubstrate(ContainerSubstrate):
+    name = "function"
+
+    def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc",
+                 slots_per_image: int = 2, max_images: int = 8, slot_idle_s: float = 120.0):
+        super().__init__(node, state_dir, layers, runc)
+        # own directories and runc root: the container substrate's reconciliation must never see
+        # (or adopt) a function call, and ours must never touch a container sandbox
+        self.sandboxes_dir = f"{state_dir}/functions"
+        self.runc_root = f"{state_dir}/runc-fn"
+        self.slots_per_image = slots_per_image
+        self.max_images = max_images
+        self.slot_idle_s = slot_idle_s
+        self.slots: dict[str, list[Slot]] = {}
+        self.holds: dict[str, Hold] = {}
+        self.hold_locks: dict[str, asyncio.Lock] = {}
+        self.last_used: dict[str, float] = {}
+        self.disk_hint: dict[str, int] = {}
+        self.filling: dict[str, asyncio.Task] = {}
+        self.running: dict[str, Slot] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.closing = False
+        self.janitor: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        self.janitor = asyncio.create_task(self._janitor())
+
+    # ------------------------------------------------------------------ not a long-lived sandbox
+
+    async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        raise InvalidRequest("substrate 'function' is one-shot: run a command with corral.v1.sandbox.run "
+                             "(SDK client.run / client.call); for a sandbox that stays, use substrate 'container' or 'docker'")
+
+    # ------------------------------------------------------------------ one-shot run
+
+    async def run(self, info: SandboxInfo, spec: SandboxSpec, req: ExecRequest, on_chunk: ChunkCallback | None):
+        if self.closing:
+            raise Unavailable(f"node {self.node} is shutting down", retry_after_s=1)
+        if req.session:
+            raise InvalidRequest("sessions need a sandbox that stays: a function call is one-shot "
+                                 "(create a 'container' or 'docker' sandbox for sessions)")
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        env = {**DEFAULT_ENV, **spec.env, **req.env}
+        for k in env:
+            if not k or "=" in k or "\0" in k:
+                raise InvalidRequest(f"invalid environment variable name {k!r}")
+        cwd = req.cwd or spec.workdir or "/"
+        if not cwd.startswith("/"):
+            cwd = "/" + cwd
+        if any("\0" in s for s in (*argv, *env.values(), cwd)):
+            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+        slot = await self._take(spec)
+        info.id = slot.sid
+        self.running[slot.sid] = slot
+        try:
+            result = await self._run_in(slot, spec, req, argv, env, cwd, on_chunk)
+        except BaseException:
+            await asyncio.shield(self._release(slot))
+            raise
+        return result, lambda: self._release(slot)
+
+    async def _run_in(self, slot: Slot, spec: SandboxSpec, req: ExecRequest, argv: list[str], env: dict[str, str],
+                      cwd: str, on_chunk: ChunkCallback | None) -> ExecResult:
+        sid, sdir = slot.sid, slot.sdir
+        t0 = time.perf_counter()
+        if spec.disk_mb != slot.disk_mb:
+            await asyncio.to_thread(linux.mount, "tmpfs", f"{sdir}/rw", "tmpfs",
+                                    MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m")
+            slot.disk_mb = spec.disk_mb
+        if spec.workdir not in ("", "/"):
+            await asyncio.to_thread(confine.mkdirs, slot.rootfs, spec.workdir)
+        if cwd != "/":
+            problem = _dir_problem(slot.rootfs, cwd)
+            if problem:  # what the container substrate's init answers, instead of runc creating it
+                return ExecResult(exit_code=126, stderr=f"corral: cannot change directory to {cwd}: {problem}\n",
+                                  duration_ms=(time.perf_counter() - t0) * 1000)
+        cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
+        cfg = oci.config(hostname=sid, init_path=self.init_path, io_dir=f"{sdir}/io",
+                         cgroups_path="/" + cg.rel, env=env, cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max)
+        cfg["process"]["args"] = argv
+        cfg["process"]["cwd"] = cwd
+        cfg["mounts"] = [m for m in cfg["mounts"] if not m["destination"].startswith("/.corral")]
+        for ns in cfg["linux"]["namespaces"]:
+            if ns["type"] == "network":
+                ns["path"] = f"{sdir}/netns"
+        with open(f"{sdir}/config.json", "w") as f:
+            json.dump(cfg, f)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        deadline = time.monotonic() + req.timeout_s
+        try:
+            pid = os.posix_spawn(self.runc, [
+                self.runc, "--root", self.runc_root, "--log", f"{sdir}/runc.log", "run", "-d",
+                "--pid-file", f"{sdir}/pid", "--bundle", sdir, sid,
+            ], os.environ, file_actions=[
+                (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2),
+            ])
+        except OSError:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        reader = PipeReader({"stdout": out_r, "stderr": err_r}, req.max_output_bytes, on_chunk)
+        feeder = asyncio.create_task(_feed(in_w, req.stdin.encode()))
+        try:
+            try:
+                rc = await asyncio.wait_for(wait_pid(pid), max(0.1, deadline - time.monotonic()) + 30)
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                await wait_pid(pid)
+                raise Unavailable(f"runc did not start function sandbox {sid} in time") from None
+            if rc != 0:
+                reader.drain()
+                return _runc_failed(argv, reader.text("stderr"), _tail(f"{sdir}/runc.log"), t0)
+            with open(f"{sdir}/pid") as f:
+                cpid = int(f.read().strip())
+            pidfd = os.pidfd_open(cpid)
+            timed_out = False
+            try:
+                if not await _wait_readable(pidfd, deadline - time.monotonic()):
+                    timed_out = True
+                    await asyncio.to_thread(cgroups.kill_dirs, cg.all_dirs(), cg.v2, 5.0)
+                    await _wait_readable(pidfd, 10)
+                try:
+                    si = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+                except ChildProcessError:
+                    si = None
+            finally:
+                os.close(pidfd)
+        finally:
+            feeder.cancel()
+        await reader.finish(grace=0.2)
+        code, sig = _status(si)
+        stderr = reader.text("stderr")
+        oom = sig == signal.SIGKILL and cg.oom_kills() > 0
+        if oom:
+            stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={spec.memory_mb})\n"
+        if timed_out:
+            stderr += f"\ncorral: timed out after {req.timeout_s:g}s; every process of this exec was killed\n"
+        return ExecResult(exit_code=code, stdout=reader.text("stdout"), stderr=stderr,
+                          duration_ms=(time.perf_counter() - t0) * 1000, timed_out=timed_out,
+                          truncated=reader.truncated, oom_killed=oom, signal=sig)
+
+    # ------------------------------------------------------------------ slots
+
+    async def _take(self, spec: SandboxSpec) -> Slot:
+        image = spec.image
+        wanted = list((await self.layers.catalog.image(image)).layers)  # NotFound (with the list) for unknown images
+        self.last_used[image] = time.monotonic()
+        self.disk_hint[image] = spec.disk_mb
+        pool = self.slots.get(image, [])
+        slot = None
+        while pool:
+            cand = pool.pop()
+            if cand.hold.layers == wanted:
+                slot = cand
+                break
+            self._spawn(self._release(cand))  # the image was re-imported since: stale
+        if len(self.slots) > self.max_images:
+            self._evict_lru()
+        if slot is None:
+            slot = await self._prepare(image, spec.disk_mb, wanted)
+        self._refill(image)
+        return slot
+
+    def _refill(self, image: str) -> None:
+        if self.closing or self.slots_per_image <= 0:
+            return
+        t = self.filling.get(image)
+        if t is not None and not t.done():
+            return
+        self.filling[image] = asyncio.create_task(self._fill(image))
+
+    async def _fill(self, image: str) -> None:
+        try:
+            while not self.closing and len(self.slots.get(image, [])) < self.slots_per_image:
+                slot = await self._prepare(image, self.disk_hint.get(image, 1024), None)
+                if self.closing or image not in self.last_used:
+                    await self._release(slot)
+                    return
+                self.slots.setdefault(image, []).append(slot)
+        except Exception as e:
+            log.warning("could not prepare a function slot", extra={"fields": {"image": image, "error": str(e)}})
+
+    async def _hold(self, image: str, wanted: list[str] | None) -> Hold:
+        lock = self.hold_locks.setdefault(image, asyncio.Lock())
+        async with lock:
+            h = self.holds.get(image)
+            if h is not None and (wanted is None or h.layers == wanted):
+                return h
+            lowers, layers = await self.layers.acquire(image)
+            if h is not None:
+                self._drop_hold(h)
+            h = self.holds[image] = Hold(image=image, lowers=lowers, layers=layers)
+            return h
+
+    def _drop_hold(self, h: Hold) -> None:
+        h.dropped = True
+        if self.holds.get(h.image) is h:
+            del self.holds[h.image]
+        if h.users == 0 and h.layers:
+            layers, h.layers = h.layers, []
+            self._spawn(self.layers.release(layers))
+
+    async def _prepare(self, image: str, disk_mb: int, wanted: list[str] | None) -> Slot:
+        hold = await self._hold(image, wanted)
+        hold.users += 1
+        sid = f"{ID_PREFIX}{secrets.token_hex(6)}"
+        slot = Slot(sid=sid, sdir=f"{self.sandboxes_dir}/{sid}", hold=hold, disk_mb=disk_mb)
+        try:
+            await asyncio.to_thread(self._prepare_sync, slot, ":".join(hold.lowers))
+        except BaseException:
+            await asyncio.shield(self._release(slot))
+            raise
+        return slot
+
+    def _prepare_sync(self, slot: Slot, lower: str) -> None:
+        sdir = slot.sdir
+        os.makedirs(sdir, mode=0o700)
+        os.makedirs(f"{sdir}/rw")
+        os.makedirs(f"{sdir}/rootfs")
+        linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={slot.disk_mb}m,mode=755")
+        os.mkdir(f"{sdir}/rw/upper", 0o755)
+        os.mkdir(f"{sdir}/rw/work", 0o755)
+        linux.mount("overlay", slot.rootfs, "overlay", linux.MS_NOSUID | linux.MS_NODEV,
+                    f"lowerdir={lower},upperdir={sdir}/rw/upper,workdir={sdir}/rw/work")
+        make_netns(f"{sdir}/netns")
+
+    async def _release(self, slot: Slot) -> None:
+        """Remove everything of a slot or finished call: cgroup (and any process in it), runc
+        state, mounts, files, layer references. Idempotent."""
+        self.running.pop(slot.sid, None)
+        try:
+            await asyncio.to_thread(self._teardown_fn, slot.sid, slot.sdir)
+        finally:
+            h, slot.hold = slot.hold, None  # type: ignore[assignment]
+            if h is not None:
+                h.users -= 1
+                if h.dropped:
+                    self._drop_hold(h)
+
+    def _teardown_fn(self, sid: str, sdir: str) -> None:
+        cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
+        cg.destroy(timeout=10)
+        # `runc delete` would do just this for a stopped container (its cgroup is gone already)
+        shutil.rmtree(f"{self.runc_root}/{sid}", ignore_errors=True)
+        for mp in linux.mounted_under(sdir):
+            try:
+                linux.umount(mp)
+            except OSError:
+                linux.umount(mp, detach=True)
+        cg.destroy(timeout=1)
+        shutil.rmtree(sdir, ignore_errors=True)
+
+    def _evict_lru(self) -> None:
+        for image in sorted(self.last_used, key=self.last_used.get)[: max(0, len(self.slots) - self.max_images)]:
+            self._drop_image(image)
+
+    def _drop_image(self, image: str) -> None:
+        self.last_used.pop(image, None)
+        for slot in self.slots.pop(image, []):
+            self._spawn(self._release(slot))
+        h = self.holds.get(image)
+        if h is not None:
+            self._drop_hold(h)
+
+    async def _janitor(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, max(0.5, self.slot_idle_s / 4)))
+            now = time.monotonic()
+            for image, t in list(self.last_used.items()):
+                if now - t > self.slot_idle_s:
+                    self._drop_image(image)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------------ restart, shutdown
+
+    async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
+        """Nothing of a function call is worth adopting: a restarted agent cannot return its result.
+        Every call and slot left behind is removed (processes, cgroups, runc state, mounts)."""
+        report = await asyncio.to_thread(self._reconcile_fn)
+        return [], report
+
+    def _reconcile_fn(self) -> AdoptReport:
+        report = AdoptReport()
+        seen = set()
+        for d in (self.sandboxes_dir, self.runc_root):
+            if os.path.isdir(d):
+                seen.update(n for n in os.listdir(d) if n.startswith(ID_PREFIX))
+        parent = cgroups.Cgroups(self.cgroup_parent)
+        for d in parent.all_dirs():
+            seen.update(n for n in os.listdir(d) if n.startswith(ID_PREFIX) and os.path.isdir(f"{d}/{n}"))
+        for sid in sorted(seen):
+            self._teardown_fn(sid, f"{self.sandboxes_dir}/{sid}")
+            report.cleaned.append(sid)
+        if report.cleaned:
+            report.notes.append(f"removed {len(report.cleaned)} function call(s)/slot(s) left by the previous node-agent")
+        return report
+
+    async def close(self) -> None:
+        self.closing = True
+        if self.janitor is not None:
+            self.janitor.cancel()
+        for t in list(self.filling.values()):
+            t.cancel()
+        await asyncio.gather(*self.filling.values(), return_exceptions=True)
+        slots = [s for pool in self.slots.values() for s in pool] + list(self.running.values())
+        self.slots.clear()
+        await asyncio.gather(*(self._release(s) for s in slots), return_exceptions=True)
+        for h in list(self.holds.values()):
+            self._drop_hold(h)
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def make_netns(path: str) -> None:
+    """A fresh network namespace with only `lo`, up, kept alive by a bind mount at `path`.
+
+    unshare(CLONE_NEWNET) moves only the calling thread, so a throwaway thread makes it; the
+    agent's own threads stay in the host namespace."""
+    import ctypes
+    import fcntl
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if libc.unshare(CLONE_NEWNET) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                req = struct.pack("16sH14x", b"lo", 0)
+                flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), linux.SIOCGIFFLAGS, req))[1]
+                fcntl.ioctl(s.fileno(), linux.SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | linux.IFF_UP))
+            with open(path, "w"):
+                pass
+            linux.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, "", linux.MS_BIND)
+        except BaseException as e:  # reported to the caller
+            err.append(e)
+
+    t = threading.Thread(target=run, name="netns")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+
+
+def _dir_problem(root: str, path: str) -> str:
+    """'' if `path` is a directory inside `root` (resolved as the sandbox would), else why not."""
+    rootfd = os.open(root, confine.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = linux.openat2(rootfd, path, confine.O_PATH | os.O_DIRECTORY, 0, confine.RESOLVE)
+        os.close(fd)
+        return ""
+    except OSError as e:
+        return os.strerror(e.errno or errno.ENOENT)
+    finally:
+        os.close(rootfd)
+
+
+async def _wait_readable(fd: int, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await asyncio.wait_for(fut, max(0.0, timeout))
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+def _status(si) -> tuple[int, int | None]:
+    if si is None:
+        return 255, None
+    if si.si_code == os.CLD_EXITED:
+        return si.si_status, None
+    return 128 + si.si_status, si.si_status
+
+
+def _runc_failed(argv: list[str], stderr: str, runc_log: str, t0: float) -> ExecResult:
+    """runc exits non-zero only if the command never started: say why the way the container
+    substrate's init does (127 not found, 126 not executable), or fail the call."""
+    text = f"{stderr}\n{runc_log}"
+    ms = (time.perf_counter() - t0) * 1000
+    if "executable file not found" in text or ("no such file or directory" in text and "exec" in text):
+        return ExecResult(exit_code=127, stderr=f"corral: cannot run {argv[0]}: No such file or directory\n", duration_ms=ms)
+    if "permission denied" in text and "exec" in text:
+        return ExecResult(exit_code=126, stderr=f"corral: cannot run {argv[0]}: Permission denied\n", duration_ms=ms)
+    if "exec format error" in text:
+        return ExecResult(exit_code=126, stderr=f"corral: cannot run {argv[0]}: Exec format error\n", duration_ms=ms)
+    raise Internal(f"runc could not start the function sandbox: {(stderr.strip() or runc_log)[-2000:]}")
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""

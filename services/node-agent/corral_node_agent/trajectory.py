@@ -1,0 +1,170 @@
+"""The trajectory log: exec steps that carry `trajectory` and `step` are appended to the
+CORRAL_TRAJ stream (`corral.traj.<trajectory>.<step>`), with per-trajectory metadata in KV.
+
+A step already in the log, issued again with the same inputs, is answered from the log
+(`replayed: true`) without running: a preempted rollout that restarts from step 0 fast-forwards,
+and non-idempotent commands never run twice. Every K steps the sandbox is snapshotted, so a
+trajectory whose sandbox is lost resumes on a new sandbox made from the last snapshot, with the
+logged steps after it re-run for real (`restore`)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from corral_common import bus, subjects
+from corral_common.errors import Conflict, InvalidRequest, NotFound
+from corral_common.messages import ExecRequest, ExecResult, TrajEntry, TrajMeta, TrajSnapshot, encoder
+
+log = logging.getLogger("corral.node.traj")
+
+
+def input_hash(req: ExecRequest) -> str:
+    """What makes two issues of a step "the same": the command and everything it reads."""
+    canon = msgspec.json.encode({"cmd": req.cmd, "stdin": req.stdin, "env": sorted(req.env.items()),
+                                 "cwd": req.cwd, "session": req.session})
+    return hashlib.sha256(canon).hexdigest()
+
+
+def bare(req: ExecRequest) -> ExecRequest:
+    return msgspec.structs.replace(req, trajectory="", step=None, stream=False, on_divergence="error")
+
+
+def describe(req: ExecRequest) -> str:
+    cmd = req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd)
+    return cmd if len(cmd) <= 200 else cmd[:200] + "..."
+
+
+class TrajectoryLog:
+    def __init__(self, js: JetStreamContext):
+        self.js = js
+        self.kv = None
+
+    async def open(self) -> TrajectoryLog:
+        self.kv = await bus.ensure_kv(self.js, subjects.KV_TRAJ)
+        return self
+
+    # ---------------------------------------------------------------- metadata
+
+    async def get(self, tid: str) -> TrajMeta:
+        try:
+            e = await self.kv.get(tid)
+        except Exception:
+            e = None
+        if e is None or not e.value:
+            raise NotFound(f"unknown trajectory {tid!r}")
+        return msgspec.json.decode(e.value, type=TrajMeta)
+
+    async def maybe(self, tid: str) -> TrajMeta | None:
+        try:
+            return await self.get(tid)
+        except NotFound:
+            return None
+
+    async def put(self, meta: TrajMeta) -> None:
+        meta.updated_at = time.time()
+        await self.kv.put(meta.id, encoder.encode(meta))
+
+    async def create(self, meta: TrajMeta) -> TrajMeta:
+        """Create unless it exists; return what is stored (the first opener wins a race)."""
+        try:
+            await self.kv.create(meta.id, encoder.encode(meta))
+            return meta
+        except Exception:
+            return await self.get(meta.id)
+
+    async def ids(self) -> list[str]:
+        try:
+            return sorted(await self.kv.keys())
+        except Exception:
+            return []
+
+    async def delete(self, tid: str) -> None:
+        await self.get(tid)
+        await self.js.purge_stream(subjects.TRAJ_STREAM, subject=subjects.traj_all(tid))
+        await self.kv.delete(tid)
+
+    # ---------------------------------------------------------------- entries
+
+    async def entry(self, tid: str, step: int) -> TrajEntry | None:
+        try:
+            m = await self.js.get_last_msg(subjects.TRAJ_STREAM, subjects.traj_entry(tid, step))
+        except NotFoundError:
+            return None
+        except Exception as e:
+            if "no message found" in str(e).lower() or "not found" in str(e).lower():
+                return None
+            raise
+        return msgspec.json.decode(m.data, type=TrajEntry)
+
+    async def check(self, req: ExecRequest, sandbox_id: str) -> ExecResult | None:
+        """Before running a step: the logged result if it is a replay, None if it must run.
+
+        Raises Conflict on a divergent command, InvalidRequest on a gap in the steps."""
+        tid, step = req.trajectory, req.step
+        assert step is not None
+        meta = await self.maybe(tid)
+        last = meta.last_step if meta else -1
+        if step > last + 1:
+            raise InvalidRequest(
+                f"step {step} of trajectory {tid!r} skips steps {last + 1}..{step - 1} "
+                f"({'no steps are logged yet: start at step 0' if last < 0 else f'the last logged step is {last}'})")
+        if step > last:
+            return None
+        entry = await self.entry(tid, step)
+        if entry is None:
+            return None  # truncated away or expired from the stream: run it again
+        if entry.input_hash == input_hash(req):
+            return msgspec.structs.replace(entry.result, replayed=True)
+        if req.on_divergence == "truncate":
+            await self.truncate(tid, step)
+            return None
+        raise Conflict(
+            f"step {step} of trajectory {tid!r} diverges from the log: logged `{describe(entry.request)}`, "
+            f"now `{describe(req)}` (send on_divergence=\"truncate\" to drop the log from step {step} on)")
+
+    async def truncate(self, tid: str, step: int) -> None:
+        meta = await self.get(tid)
+        for s in range(step, meta.last_step + 1):
+            await self.js.purge_stream(subjects.TRAJ_STREAM, subject=subjects.traj_entry(tid, s))
+        meta.last_step = step - 1
+        meta.snapshots = [sn for sn in meta.snapshots if sn.step < step]
+        await self.put(meta)
+        log.info("trajectory truncated", extra={"fields": {"trajectory": tid, "from_step": step}})
+
+    async def record(self, req: ExecRequest, sandbox_id: str, node: str, result: ExecResult) -> TrajMeta | None:
+        """Append an executed step. Returns the metadata (None for a step that was not new)."""
+        tid, step = req.trajectory, req.step
+        assert step is not None
+        entry = TrajEntry(trajectory=tid, step=step, input_hash=input_hash(req), request=bare(req), result=result,
+                          sandbox_id=sandbox_id, ts=time.time())
+        await self.js.publish(subjects.traj_entry(tid, step), encoder.encode(entry))
+        meta = await self.maybe(tid)
+        if meta is None:
+            return None  # a trajectory used without `open`: logged and replayable, not resumable
+        if step > meta.last_step:
+            meta.last_step = step
+        meta.sandbox_id, meta.node = sandbox_id, node
+        await self.put(meta)
+        return meta
+
+    def snapshot_due(self, meta: TrajMeta, step: int) -> bool:
+        return meta.snapshot_every > 0 and (step + 1) % meta.snapshot_every == 0
+
+    async def add_snapshot(self, tid: str, step: int, image: str) -> None:
+        meta = await self.get(tid)
+        meta.snapshots = [sn for sn in meta.snapshots if sn.step < step] + [TrajSnapshot(step=step, image=image)]
+        await self.put(meta)
+
+    async def steps_after(self, meta: TrajMeta, after: int) -> list[TrajEntry]:
+        out = []
+        for s in range(after + 1, meta.last_step + 1):
+            e = await self.entry(meta.id, s)
+            if e is None:
+                raise NotFound(f"step {s} of trajectory {meta.id!r} is missing from the log; cannot restore")
+            out.append(e)
+        return out
