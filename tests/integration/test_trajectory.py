@@ -71,9 +71,13 @@ async def test_replay_divergence_gap_and_unknown(client):
         a = await t2.exec("echo one >> /log; wc -l < /log")
         b = await t2.exec("echo two >> /log; wc -l < /log")
         assert a.replayed and b.replayed and (a.stdout, b.stdout) == ("1\n", "2\n")
+        assert t2.fast_forwarded == 2  # answered by the SDK from the log it fetched on resume
         c = await t2.exec("echo three >> /log; wc -l < /log")
         assert not c.replayed and c.stdout == "3\n"
     assert (await sb.exec("cat /log")).stdout == "one\ntwo\nthree\n"
+    # the node answers replays too (any NATS client, no SDK bookkeeping)
+    r = await sb.exec("echo one >> /log; wc -l < /log", trajectory="t-basic", step=0)
+    assert r.replayed and r.stdout == "1\n"
     # divergence names both commands; truncate on request
     with pytest.raises(Conflict, match="echo two >> /log.*echo TWO"):
         await sb.exec("echo TWO", trajectory="t-basic", step=1)

@@ -194,6 +194,12 @@ class TrajRef(Request, kw_only=True):
     id: TrajId
 
 
+class TrajGetRequest(Request, kw_only=True):
+    id: TrajId
+    from_step: Annotated[int, Meta(ge=0)] | None = None  # None: the 20 most recent steps
+    limit: Annotated[int, Meta(ge=1, le=10_000)] = 1000
+
+
 class TrajListRequest(Request, kw_only=True):
     prefix: str = ""
 

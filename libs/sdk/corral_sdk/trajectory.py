@@ -18,7 +18,8 @@ import msgspec
 
 from corral_common import subjects
 from corral_common.errors import NotFound, Timeout
-from corral_common.messages import ExecResult, SandboxSpec, TrajEntry, TrajMeta, encoder
+from corral_common.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, encoder
+from corral_common.traj import input_hash
 
 if TYPE_CHECKING:
     from .client import AsyncClient, AsyncSandbox
@@ -46,9 +47,23 @@ class Trajectories:
         return (await self._req(subjects.TRAJ_LIST, {"prefix": prefix})).trajectories or []
 
     async def get(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
+        """The trajectory and its 20 most recent steps."""
         r = await self._req(subjects.TRAJ_GET, {"id": tid})
         assert r.trajectory is not None
         return r.trajectory, r.recent or []
+
+    async def entries(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
+        """The trajectory and every logged step, fetched in pages."""
+        out: list[TrajEntry] = []
+        step = 0
+        while True:
+            r = await self._req(subjects.TRAJ_GET, {"id": tid, "from_step": step})
+            assert r.trajectory is not None
+            page = r.recent or []
+            out += page
+            if not page or page[-1].step >= r.trajectory.last_step:
+                return r.trajectory, out
+            step = page[-1].step + 1
 
     async def delete(self, tid: str) -> None:
         await self._req(subjects.TRAJ_DELETE, {"id": tid})
@@ -66,6 +81,8 @@ class Trajectory:
         self.resumed = False
         self.rerun_steps = 0
         self.lost_wait_s = 60.0
+        self._log: dict[int, TrajEntry] = {}
+        self.fast_forwarded = 0
         self._keepalive: asyncio.Task | None = None
 
     async def __aenter__(self) -> Trajectory:
@@ -78,7 +95,9 @@ class Trajectory:
     async def open(self) -> None:
         tr = Trajectories(self.client)
         try:
-            meta, _ = await tr.get(self.id)
+            meta, entries = await tr.entries(self.id)
+            # resuming: the logged steps are answered here, without a round trip per step
+            self._log = {e.step: e for e in entries}
         except NotFound:
             meta = None
         if meta is None:
@@ -125,6 +144,15 @@ class Trajectory:
 
     async def exec(self, cmd: str | list[str], **kw: Any) -> ExecResult:
         assert self.sandbox is not None, "use `async with client.trajectory(...)` or await open()"
+        logged = self._log.pop(self.step, None)
+        if logged is not None:
+            req = ExecRequest(cmd=cmd, stdin=kw.get("stdin") or "", env=kw.get("env") or {}, cwd=kw.get("cwd"),
+                              session=kw.get("session") or "")
+            if logged.input_hash == input_hash(req):
+                self.step += 1
+                self.fast_forwarded += 1
+                return msgspec.structs.replace(logged.result, replayed=True)
+            self._log.clear()  # diverged: the node decides (conflict, or truncate if asked)
         r = await self.sandbox.exec(cmd, trajectory=self.id, step=self.step, **kw)
         self.step += 1
         return r

@@ -25,7 +25,7 @@ from corral_common.messages import NodeRun, SandboxSpec, new_id
 from corral_common.messages import (
     Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
     NodeCapacity, NodeCreate, NodeUsage, RenewRequest, RestoreRequest, SandboxInfo, SnapshotRequest, TrajListRequest,
-    TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
+    TrajGetRequest, TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
 )
 
 from .auditlog import AuditLog
@@ -479,10 +479,17 @@ class NodeAgent:
         return ok(trajectory=meta)
 
     async def _on_traj_get(self, msg: Msg) -> bytes:
-        r = bus.decode(msg.data, TrajRef)
+        r = bus.decode(msg.data, TrajGetRequest)
         meta = await self.traj.get(r.id)
-        steps = [await self.traj.entry(r.id, s) for s in range(max(0, meta.last_step - 19), meta.last_step + 1)]
-        return ok(trajectory=meta, recent=[e for e in steps if e is not None])
+        first = max(0, meta.last_step - 19) if r.from_step is None else r.from_step
+        last = min(meta.last_step, first + r.limit - 1)
+        entries, size = [], 0
+        for e in await self.traj.entries_from(r.id, first, last):
+            size += len(e.result.stdout) + len(e.result.stderr) + 512
+            if size > 4 * 1024 * 1024 and entries:
+                break  # keep the reply under the bus payload limit; the caller pages on
+            entries.append(e)
+        return ok(trajectory=meta, recent=entries)
 
     async def _on_traj_list(self, msg: Msg) -> bytes:
         r = bus.decode(msg.data, TrajListRequest)

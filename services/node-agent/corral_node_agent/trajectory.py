@@ -8,7 +8,6 @@ trajectory whose sandbox is lost resumes on a new sandbox made from the last sna
 logged steps after it re-run for real (`restore`)."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 
@@ -19,19 +18,9 @@ from nats.js.errors import NotFoundError
 from corral_common import bus, subjects
 from corral_common.errors import Conflict, InvalidRequest, NotFound
 from corral_common.messages import ExecRequest, ExecResult, TrajEntry, TrajMeta, TrajSnapshot, encoder
+from corral_common.traj import bare, input_hash
 
 log = logging.getLogger("corral.node.traj")
-
-
-def input_hash(req: ExecRequest) -> str:
-    """What makes two issues of a step "the same": the command and everything it reads."""
-    canon = msgspec.json.encode({"cmd": req.cmd, "stdin": req.stdin, "env": sorted(req.env.items()),
-                                 "cwd": req.cwd, "session": req.session})
-    return hashlib.sha256(canon).hexdigest()
-
-
-def bare(req: ExecRequest) -> ExecRequest:
-    return msgspec.structs.replace(req, trajectory="", step=None, stream=False, on_divergence="error")
 
 
 def describe(req: ExecRequest) -> str:
@@ -101,6 +90,28 @@ class TrajectoryLog:
             raise
         return msgspec.json.decode(m.data, type=TrajEntry)
 
+    async def entries_from(self, tid: str, first: int, last: int) -> list[TrajEntry]:
+        """Steps first..last in one pass over the stream (an ordered consumer), not one lookup
+        per step: resuming a long trajectory costs one round of delivery."""
+        if last < first:
+            return []
+        sub = await self.js.subscribe(subjects.traj_all(tid), ordered_consumer=True)
+        found: dict[int, TrajEntry] = {}
+        try:
+            while True:
+                try:
+                    m = await sub.next_msg(timeout=5)
+                except Exception:
+                    break
+                e = msgspec.json.decode(m.data, type=TrajEntry)
+                if first <= e.step <= last:
+                    found[e.step] = e
+                if m.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return [found[s] for s in sorted(found)]
+
     async def check(self, req: ExecRequest, sandbox_id: str) -> ExecResult | None:
         """Before running a step: the logged result if it is a replay, None if it must run.
 
@@ -161,10 +172,8 @@ class TrajectoryLog:
         await self.put(meta)
 
     async def steps_after(self, meta: TrajMeta, after: int) -> list[TrajEntry]:
-        out = []
-        for s in range(after + 1, meta.last_step + 1):
-            e = await self.entry(meta.id, s)
-            if e is None:
-                raise NotFound(f"step {s} of trajectory {meta.id!r} is missing from the log; cannot restore")
-            out.append(e)
+        out = await self.entries_from(meta.id, after + 1, meta.last_step)
+        missing = sorted(set(range(after + 1, meta.last_step + 1)) - {e.step for e in out})
+        if missing:
+            raise NotFound(f"steps {missing} of trajectory {meta.id!r} are missing from the log; cannot restore")
         return out
