@@ -68,6 +68,20 @@ def cgroup_parent(data_dir: str, node: str) -> str:
         return f.read().strip()
 
 
+def inits_of_node(data_dir: str, node: str) -> list[int]:
+    """corral-init processes in this node's cgroups (other stacks on the host have their own)."""
+    parent = cgroup_parent(data_dir, node) + "/"
+    out = []
+    for pid in init_processes():
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                if parent in f.read():
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
     state = f"{data_dir}/nodes/{node}"
     sdir = f"{state}/sandboxes"

@@ -254,7 +254,9 @@ async def test_create_destroy_churn_leaves_nothing(stack, client):
         ours = [x for x in after[key] if any(sid in x for sid in ids)]
         assert ours == [], f"{key} of destroyed sandboxes: {ours}"
     inits_after = _init_processes()
-    new_inits = sorted(inits_after - inits_before)
+    parent = leaks.cgroup_parent(stack.data_dir, node)
+    # only this stack's: other stacks on the host (parallel runs) have their own cgroup parents
+    new_inits = sorted(p for p in inits_after - inits_before if f"{parent}/" in _init_cgroup(p))
     assert new_inits == [], f"corral-init processes left: {[(p, _init_cgroup(p)) for p in new_inits]}"
     ours = [p for p in inits_after if any(sid in _init_cgroup(p) for sid in ids)]
     assert ours == [], f"corral-init of destroyed sandboxes still running: {ours}"

@@ -552,10 +552,11 @@ async def test_malformed_events_are_dead_lettered_and_not_fatal(mstack, mnc):
     # a batch with two bad events around a good one: the good one is kept
     mixed = (b'{"events": [{"id": "mal-x1", "ts": "yesterday", "node": "n1", "sandbox": "sb-mal", "kind": "exec"}, '
              + msgspec.json.encode(good) + b', {"id": "mal-x2", "ts": 1.0, "node": "n1", "sandbox": "sb-mal", "kind": "exec"},'
-             b' {"id": "mal-x3", "ts": 1700000000.0, "node": "n1", "sandbox": "sb-mal", "kind": "teleport"}]}')
+             b' {"id": "mal-x3", "ts": 1700000000.0, "node": "n1", "sandbox": "sb-mal", "kind": "teleport"},'
+             b' {"id": "mal-x4", "ts": 1700000000.0, "node": "n1", "sandbox": "sb-mal", "kind": "exec", "pid": 1180591620717411303424}]}')
     await js.publish("corral.audit.n1.sb-mal", mixed)
     await js.publish("corral.events.sandbox.sb-mal.created", b"{not json")
-    expected_bad = len(bad_payloads) + 3 + 1
+    expected_bad = len(bad_payloads) + 4 + 1
 
     async def counted():
         return metric(url, "corral_monitor_malformed_total") - before >= expected_bad
@@ -619,3 +620,50 @@ async def test_window_rules_on_file_and_syscall_events(mstack, mnc):
     await wait_for(fired, 20, what="window and file/syscall alerts")
     rs = await rows(mnc, "SELECT count() FROM alerts FINAL WHERE job = 'win' AND rule = 'mass_file_rewrite'")
     assert rs == [[1]]
+
+
+async def test_poison_message_is_isolated_and_dead_lettered(mstack, mnc):
+    """A message the handler keeps failing on (not an outage) is retried alone, then dead-lettered
+    after `poison_after` deliveries; the messages around it are processed and acked."""
+    from nats.js.api import StreamConfig
+
+    from corral_monitor.consumer import PullConsumer
+
+    js = mnc.jetstream()
+    await js.add_stream(StreamConfig(name="T_POISON", subjects=["t.poison.>"]))
+    done: list[bytes] = []
+    dead: list[tuple[bytes, int]] = []
+
+    async def handler(msgs):
+        if any(m.data == b"poison" for m in msgs):
+            raise ValueError("cannot process this one")
+        done.extend(m.data for m in msgs)
+
+    async def on_poison(m, err):
+        assert "ValueError" in err
+        dead.append((m.data, m.metadata.num_delivered))
+
+    pc = PullConsumer(js, "T_POISON", "t-poison", "t.poison.>", handler, batch=10, ack_wait_s=30, on_poison=on_poison, poison_after=3)
+    await pc.setup()
+    for i in range(5):
+        await js.publish("t.poison.x", b"ok-%d" % i)
+    await js.publish("t.poison.x", b"poison")
+    for i in range(5, 10):
+        await js.publish("t.poison.x", b"ok-%d" % i)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pc.run(stop))
+    try:
+        async def finished():
+            return len(set(done)) == 10 and dead
+
+        await wait_for(finished, 30, what="the good messages processed and the poison dead-lettered")
+        assert dead == [(b"poison", 3)]
+        info = await js.consumer_info("T_POISON", "t-poison")
+        await asyncio.sleep(0.5)
+        info = await js.consumer_info("T_POISON", "t-poison")
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await pc.close()
+        await js.delete_stream("T_POISON")

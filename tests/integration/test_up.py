@@ -12,13 +12,12 @@ from corral_sdk import Client
 from corral_sdk.stack import free_port
 
 from ..conftest import IMAGE_DIR
-from ..leaks import assert_clean, init_processes, processes_with
+from ..leaks import assert_clean, inits_of_node, processes_with
 
 
 def test_corral_up_ready_line_and_clean_shutdown():
     data = tempfile.mkdtemp(prefix="crl-up-", dir="/tmp")
     port = free_port()
-    inits_before = set(init_processes())
     corral = os.path.join(os.path.dirname(sys.executable), "corral")
     p = subprocess.Popen([corral, "up", "--data-dir", data, "--nats-port", str(port), "--nodes", "2", "--image-dir", IMAGE_DIR],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -39,7 +38,7 @@ def test_corral_up_ready_line_and_clean_shutdown():
             p.kill()
             p.wait()
     assert processes_with(data) == []
-    assert set(init_processes()) - inits_before == set()
     for node in ("node-1", "node-2"):
+        assert inits_of_node(data, node) == []
         assert_clean(data, node)
     shutil.rmtree(data, ignore_errors=True)

@@ -387,3 +387,29 @@ def test_grafana_macros_expand_like_the_plugin():
                    "ts >= toDateTime(1700000000) AND ts <= toDateTime(1700003600) AND ts <= toDateTime(1700003600) GROUP BY t")
     assert "fromUnixTimestamp64Milli(1700000000500)" in expand("$__timeFilter_ms(ts)", 1700000000.5, 1700000001, 1)
     assert expand("$__timeInterval(toDateTime(ts))", 0, 1, 0.2) == "toStartOfInterval(toDateTime(toDateTime(ts)), INTERVAL 1 second)"
+
+
+def test_lifecycle_events_teach_protected_paths_and_canaries():
+    """When lifecycle events carry a sandbox's protected paths or canaries (detail or labels), the
+    rules use them for that sandbox only."""
+    from corral_monitor.alerts import AlertManager
+    from corral_monitor.detect import Detector
+    from corral_monitor.store import SandboxEventRow
+
+    ctx = RuleContext()
+    d = Detector(rules.build(ctx), [], AlertManager(None, None, window_s=0), None, ctx)
+
+    class Ev:
+        def __init__(self, detail):
+            self.detail = detail
+
+    row = SandboxEventRow(id="e1", ts=1.7e9, kind="created", sandbox="sb-9", node="n1", job="j", reason="", image="busybox",
+                          substrate="container", state="running", cpu=1, memory_mb=64, labels={"corral.canaries": "/opt/leftover.txt"},
+                          subject="corral.events.sandbox.sb-9.created", detail="")
+    d.on_lifecycle([row], [Ev({"protected_paths": ["/srv/tests_hidden"]})])
+    cat = AuditEvent(id="a", ts=1.7e9, node="n1", sandbox="sb-9", kind="exec", cmd="cat /srv/tests_hidden/t.py", cwd="/")
+    assert {a.rule for a in d.evaluate([cat])} == {"protected_path_read"}
+    leftover = AuditEvent(id="b", ts=1.7e9, node="n1", sandbox="sb-9", kind="exec", cmd="cat /opt/leftover.txt", cwd="/")
+    assert {a.rule for a in d.evaluate([leftover])} == {"canary_read"}
+    other = AuditEvent(id="c", ts=1.7e9, node="n1", sandbox="sb-10", kind="exec", cmd="cat /srv/tests_hidden/t.py", cwd="/")
+    assert d.evaluate([other]) == []

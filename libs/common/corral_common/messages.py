@@ -36,8 +36,11 @@ class SandboxSpec(Request, kw_only=True):
     job: Annotated[str, Meta(max_length=128)] = ""
     workdir: Annotated[str, Meta(max_length=4096)] = "/"
     protected_paths: Annotated[list[str], Meta(max_length=256)] = []
+    # decoy files planted at create (path -> content); any open of one is audited (kind "canary")
+    canaries: Annotated[dict[str, str], Meta(max_length=64)] = {}
     request_id: Annotated[str, Meta(max_length=256)] = ""
     pids_max: Annotated[int, Meta(ge=8, le=65536)] = 1024
+    placement: Literal["spread", "pack"] = "spread"
 
 
 class SandboxInfo(Struct, kw_only=True, omit_defaults=True):
@@ -223,9 +226,10 @@ class ErrorBody(Struct, kw_only=True, omit_defaults=True):
 
 
 class NodeCapacity(Struct, kw_only=True):
-    cpu: float
+    cpu: float  # real cores; the scheduler overcommits by observed use up to cpu_overcommit_max
     memory_mb: int
     sandboxes: int
+    cpu_overcommit_max: float = 1.0
 
 
 class NodeUsage(Struct, kw_only=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -120,6 +121,14 @@ class DeadLetters:
 # ----------------------------------------------------------------------------- pull loop
 
 
+def _transient(e: BaseException) -> bool:
+    """An outage (ClickHouse or NATS unreachable, a timeout): retry everything later. Anything
+    else is a problem with the data, to be isolated."""
+    name = type(e).__name__
+    return isinstance(e, (OSError, TimeoutError, asyncio.TimeoutError)) or name in ("OperationalError", "NoServersError",
+                                                                                     "ConnectionClosedError", "TimeoutError")
+
+
 Handler = Callable[[list[Msg]], Awaitable[None]]
 
 
@@ -129,7 +138,9 @@ class PullConsumer:
 
     def __init__(self, js: JetStreamContext, stream: str, durable: str, subject: str, handler: Handler, *,
                  batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
-                 fetch_timeout_s: float = 1.0, inflight_bytes: int = 24 * 1024 * 1024):
+                 fetch_timeout_s: float = 1.0, inflight_bytes: int = 24 * 1024 * 1024,
+                 on_poison: Callable[[Msg, str], Awaitable[None]] | None = None, poison_after: int = 5,
+                 linger_s: float = 0.1, linger_bytes: int = 4 * 1024 * 1024):
         self.js = js
         self.stream = stream
         self.durable = durable
@@ -141,6 +152,10 @@ class PullConsumer:
         self.max_ack_pending = max_ack_pending
         self.fetch_timeout_s = fetch_timeout_s
         self.inflight_bytes = inflight_bytes
+        self.on_poison = on_poison
+        self.poison_after = poison_after
+        self.linger_s = linger_s
+        self.linger_bytes = linger_bytes
         self.avg_size = 64 * 1024.0  # a node-agent batch of 256 exec events
         self.subs: list[Any] = []
 
@@ -180,6 +195,8 @@ class PullConsumer:
                 continue
             if not msgs:
                 continue
+            if self.linger_s > 0:
+                msgs = await self._linger(sub, msgs)
             size = sum(len(m.data) for m in msgs) / len(msgs)
             self.avg_size = max(size, 0.8 * self.avg_size + 0.2 * size)
             try:
@@ -191,22 +208,74 @@ class PullConsumer:
                 await self.handler(msgs)
             except Exception as e:
                 BATCH_FAILURES.labels(self.stream).inc()
-                log.exception("batch failed; it will be redelivered", extra={"fields": {"stream": self.stream, "messages": len(msgs), "error": repr(e)}})
-                for m in msgs:
-                    try:
-                        await m.nak(delay=min(backoff * 4, 5.0))
-                    except Exception:
-                        pass
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                log.exception("batch failed", extra={"fields": {"stream": self.stream, "messages": len(msgs), "error": repr(e)}})
+                if _transient(e):
+                    await self._nak_all(msgs, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                else:
+                    await self._one_by_one(msgs, backoff)
                 continue
             backoff = 0.1
-            for m in msgs:
-                try:
-                    await m.ack()
-                except Exception:
-                    pass  # the batch comes back; its ids are found and skipped
+            await self._ack_all(msgs)
             BATCH_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
+
+    async def _linger(self, sub: Any, msgs: list[Msg]) -> list[Msg]:
+        """Keep collecting for up to `linger_s` (or until `linger_bytes`): every insert costs a
+        few milliseconds whatever its size, so a trickle of small messages must not become a
+        trickle of tiny inserts. Adds at most `linger_s` to alert latency."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.linger_s
+        want = self._fetch_size()
+        nbytes = sum(len(m.data) for m in msgs)
+        while len(msgs) < want and nbytes < self.linger_bytes:
+            remaining = deadline - loop.time()
+            if remaining < 0.005:
+                break
+            try:
+                more = await sub.fetch(want - len(msgs), timeout=remaining)
+            except (TimeoutError, asyncio.TimeoutError, NatsTimeout, FetchTimeoutError):
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                break
+            msgs.extend(more)
+            nbytes += sum(len(m.data) for m in more)
+        return msgs
+
+    async def _ack_all(self, msgs: list[Msg]) -> None:
+        for m in msgs:
+            try:
+                await m.ack()
+            except Exception:
+                pass  # the batch comes back; its ids are found and skipped
+
+    async def _nak_all(self, msgs: list[Msg], backoff: float) -> None:
+        for m in msgs:
+            try:
+                await m.nak(delay=min(backoff * 4, 5.0))
+            except Exception:
+                pass
+
+    async def _one_by_one(self, msgs: list[Msg], backoff: float) -> None:
+        """A batch failed for a reason that is not an outage: isolate the message that cannot be
+        processed; after `poison_after` deliveries it is dead-lettered instead of blocking the stream."""
+        for m in msgs:
+            try:
+                await self.handler([m])
+            except Exception as e:
+                delivered = m.metadata.num_delivered or 1
+                if self.on_poison is not None and delivered >= self.poison_after and not _transient(e):
+                    try:
+                        await self.on_poison(m, repr(e))
+                        await m.ack()
+                    except Exception:
+                        await self._nak_all([m], backoff)
+                else:
+                    await self._nak_all([m], backoff)
+                continue
+            await self._ack_all([m])
 
     async def close(self) -> None:
         for s in self.subs:
@@ -228,13 +297,23 @@ _typed_decoder = msgspec.json.Decoder(type=AuditBatch)
 _event_decoder = msgspec.json.Decoder(type=AuditEvent)
 
 
+_I32, _I64 = 2**31, 2**63
+
+
 def _check(ev: AuditEvent) -> str:
+    """What the schema cannot say; an event failing this is dead-lettered, not inserted."""
     if not ev.id or len(ev.id) > 128:
         return "id must be a non-empty string of at most 128 characters"
     if not (MIN_TS <= ev.ts <= MAX_TS):
         return f"ts {ev.ts!r} is not a plausible unix time"
     if not ev.sandbox or not ev.node:
         return "node and sandbox must be set"
+    if ev.exit_code is not None and not (-_I32 <= ev.exit_code < _I32):
+        return f"exit_code {ev.exit_code} out of range"
+    if not (0 <= ev.stdout_bytes < _I64 and 0 <= ev.stderr_bytes < _I64 and -_I64 <= ev.pid < _I64):
+        return "stdout_bytes, stderr_bytes or pid out of range"
+    if not math.isfinite(ev.duration_ms):
+        return "duration_ms must be finite"
     return ""
 
 

@@ -37,6 +37,7 @@ class MonitorConfig(msgspec.Struct, kw_only=True):
     workers: int = 1
     batch: int = 256
     ack_wait_s: float = 30.0
+    linger_ms: float = 100.0
     alert_window_s: float = 30.0
     protected_paths: list[str] = []
     canaries: list[str] = []
@@ -73,10 +74,12 @@ class Monitor:
         detector = Detector(rulereg.build(ctx, cfg.rules or None), rulereg.build_sql(cfg.rules or None), alerts, store, ctx)
         audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, "corral.audit.>",
                              AuditIngest(store, dead, detector.on_events, Fault(cfg.fault)),
-                             batch=cfg.batch, workers=cfg.workers, ack_wait_s=cfg.ack_wait_s)
+                             batch=cfg.batch, workers=cfg.workers, ack_wait_s=cfg.ack_wait_s, linger_s=cfg.linger_ms / 1000,
+                             on_poison=lambda m, err: dead.put("CORRAL_AUDIT", m, m.data, "unprocessable", err))
         events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, "corral.events.>",
                               EventIngest(store, dead, detector.on_lifecycle), batch=cfg.batch, workers=1,
-                              ack_wait_s=cfg.ack_wait_s)
+                              ack_wait_s=cfg.ack_wait_s, linger_s=cfg.linger_ms / 1000,
+                              on_poison=lambda m, err: dead.put("CORRAL_EVENTS", m, m.data, "unprocessable", err))
         await audit.setup()
         await events.setup()
         self.ready.set()

@@ -143,6 +143,18 @@ VIEWS: dict[str, str] = {
 }
 
 
+INSERT_SETTINGS = {
+    "input_format_skip_unknown_fields": 1,
+    "date_time_input_format": "best_effort",
+    # the part is on disk when the call returns (chdb defaults to async inserts, whose buffer a
+    # crash right after "success" could lose, and the consumer acks right after this)
+    "async_insert": 0,
+    # ids are deduplicated by the consumer; skipping the Replacing merge of each block at insert
+    # time makes inserts ~1.5x faster (FINAL still collapses any duplicate)
+    "optimize_on_insert": 0,
+}
+
+
 class ExecRow(msgspec.Struct, kw_only=True):
     id: str
     ts: float
@@ -273,11 +285,7 @@ class Store:
             return 0
         block = _encoder.encode_lines(rows)
         with self._lock:
-            # async_insert=0: the part is written before the call returns (chdb defaults to async
-            # inserts, whose buffer a crash right after "success" could lose: we ack right after this)
-            self.client.raw_insert(f"{self.database}.{table}", None, insert_block=block, fmt="JSONEachRow",
-                                   settings={"input_format_skip_unknown_fields": 1, "date_time_input_format": "best_effort",
-                                             "async_insert": 0})
+            self.client.raw_insert(f"{self.database}.{table}", None, insert_block=block, fmt="JSONEachRow", settings=INSERT_SETTINGS)
         return len(rows)
 
     def existing_ids(self, table: str, ids: Iterable[str]) -> set[str]:

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from corral_common import bus, logs, metrics, subjects
 from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
 from corral_common.audit import AuditEvent, event_id
-from corral_common.errors import Capacity, Conflict, CorralError, InvalidRequest, NotFound, Unavailable
+from corral_common.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
 from corral_common.messages import NodeRun, SandboxSpec, new_id
 from corral_common.messages import (
     Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
@@ -28,6 +28,8 @@ from corral_common.messages import (
     TrajGetRequest, TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
 )
 
+from .audit_fanotify import FileAudit, norm as _norm_path
+from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
@@ -61,8 +63,8 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     node: str
     state_dir: str
     substrates: list[str] = msgspec.field(default_factory=lambda: ["container"])
-    cpu: float = 0.0  # 0: cores x cpu_overcommit
-    cpu_overcommit: float = 8.0
+    cpu: float = 0.0  # 0: the machine's cores
+    cpu_overcommit: float = 8.0  # the most CPU requests may add up to, as a multiple of cpu
     memory_mb: int = 0  # 0: 90% of MemTotal
     max_sandboxes: int = 4096
     heartbeat_s: float = 1.0
@@ -91,9 +93,10 @@ class NodeAgent:
         self.destroying: set[str] = set()
         self.runs: dict[object, SandboxSpec] = {}  # one-shot runs in flight (capacity)
         self.capacity = NodeCapacity(
-            cpu=cfg.cpu or (os.cpu_count() or 1) * cfg.cpu_overcommit,
+            cpu=cfg.cpu or float(os.cpu_count() or 1),
             memory_mb=cfg.memory_mb or int(_mem_total_mb() * 0.9),
             sandboxes=cfg.max_sandboxes,
+            cpu_overcommit_max=cfg.cpu_overcommit,
         )
         self.last_cpu: dict[str, int] = {}
         self.observed_cpu = 0.0
@@ -101,6 +104,8 @@ class NodeAgent:
         self.tasks: set[asyncio.Task] = set()
         self.metrics_url = ""
         self.accepting = True
+        self.seccomp: SeccompListener | None = None  # audit sources, started in run()
+        self.files_audit: FileAudit | None = None
 
     # ------------------------------------------------------------------ start / stop
 
@@ -114,11 +119,14 @@ class NodeAgent:
         self.catalog = await Catalog(self.js).open()
         self.layers = LayerMounts(self.nc, self.catalog, self.node, f"{self.state_dir}/layers")
         await self._wait_loader()
+        await self._start_audit_sources()
         for name in self.cfg.substrates:
             cls = REGISTRY.get(name)
             if cls is None:
                 raise SystemExit(f"unknown substrate {name!r}; known: {', '.join(REGISTRY)}")
             sub = cls(self.node, self.state_dir, self.layers)  # type: ignore[call-arg]
+            if hasattr(sub, "seccomp_listener") and self.seccomp is not None:
+                sub.seccomp_listener = self.seccomp.path  # type: ignore[attr-defined]
             await sub.start()
             self.substrates[name] = sub
         self.responder = bus.Responder(self.nc, "node-agent")
@@ -153,6 +161,10 @@ class NodeAgent:
             await sub.close()
         if not self.cfg.keep_sandboxes_on_exit:
             await self.layers.close()
+        if self.seccomp is not None:
+            await self.seccomp.close()
+        if self.files_audit is not None:
+            self.files_audit.close()
         await self.audit.close()
         try:
             await self.nc.drain()
@@ -174,6 +186,60 @@ class NodeAgent:
                 warned = True
             await asyncio.sleep(0.2)
 
+    # ------------------------------------------------------------------ audit sources
+
+    async def _start_audit_sources(self) -> None:
+        """The seccomp-notify listener and the fanotify group, before any sandbox exists (created
+        or adopted). Denied syscalls of adopted sandboxes are not seen (runc sent their notify fd
+        to our predecessor): they fail with ENOSYS, unaudited, until the sandbox is recreated."""
+        path = f"{self.state_dir}/seccomp.sock"
+        if len(path.encode()) < 100:
+            self.seccomp = SeccompListener(path, self._on_denied_syscall, self.node)
+            await self.seccomp.start()
+        else:
+            logs.kv(log, logging.WARNING, "state dir too long for the seccomp socket; denied syscalls are not audited", path=path)
+        try:
+            self.files_audit = FileAudit(self.node, self._on_file_event)
+            self.files_audit.start()
+        except OSError as e:
+            self.files_audit = None
+            logs.kv(log, logging.WARNING, "fanotify unavailable: protected paths and canaries are not enforced", error=str(e))
+
+    def _audit_base(self, sid: str) -> dict:
+        sb = self.sandboxes.get(sid)
+        return {"id": event_id(), "ts": time.time(), "node": self.node, "sandbox": sid,
+                "job": sb.info.job if sb else "", "labels": sb.info.labels if sb else {}}
+
+    def _on_denied_syscall(self, sid: str, pid: int, comm: str, name: str, detail: dict[str, str]) -> None:
+        self.audit.emit(AuditEvent(**self._audit_base(sid), kind="syscall", syscall=name, pid=pid, comm=comm,
+                                   denied=True, op=detail.get("request", "") if name == "ioctl" else "", detail=detail))
+
+    def _on_file_event(self, sid: str, pid: int, kind: str, path: str, denied: bool) -> None:
+        detail = {"protected": "1"} if kind == "file" else {"canary": "1"}
+        self.audit.emit(AuditEvent(**self._audit_base(sid), kind=kind, op="open", path=path, pid=pid,  # type: ignore[arg-type]
+                                   comm=comm_of(pid), denied=denied, detail=detail))
+
+    async def _watch_files(self, sb: Sandbox) -> None:
+        """Mark the sandbox's protected paths and canaries (container roots only)."""
+        root = getattr(sb, "rootfs", None)
+        if self.files_audit is None or root is None or not (sb.spec.protected_paths or sb.spec.canaries):
+            return
+        await asyncio.to_thread(self.files_audit.add, sb.id, root, list(sb.spec.protected_paths), list(sb.spec.canaries))
+
+    async def _check_file_read(self, sb: Sandbox, path: str) -> None:
+        """files.read: a protected path (by name or through links) is Forbidden, a canary is reported."""
+        if self.files_audit is None:
+            return
+        hit = await asyncio.to_thread(self.files_audit.check_read, sb.id, path)
+        if hit is not None:
+            self.audit.emit(AuditEvent(**self._audit_base(sb.id), kind="file", op="read", path=_norm_path(path), denied=True,
+                                       detail={"protected": "1", "via": "files.read", "protected_path": hit}))
+            raise Forbidden(f"{path} is protected in sandbox {sb.id}")
+        canary = self.files_audit.canary_of(sb.id, path)
+        if canary is not None:
+            self.audit.emit(AuditEvent(**self._audit_base(sb.id), kind="canary", op="read", path=canary,
+                                       detail={"canary": "1", "via": "files.read"}))
+
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
         self.tasks.add(t)
@@ -183,6 +249,10 @@ class NodeAgent:
         for name, sub in self.substrates.items():
             adopted, report = await sub.reconcile()
             for sb in adopted:
+                try:
+                    await self._watch_files(sb)
+                except Exception as e:
+                    logs.kv(log, logging.ERROR, "could not mark protected paths of an adopted sandbox", sandbox=sb.id, error=str(e))
                 await self._register(sb, sub)
                 await self._event(sb, "ready", reason="adopted after node-agent restart")
             for sid in report.cleaned:
@@ -217,8 +287,9 @@ class NodeAgent:
         if sub is None:
             raise InvalidRequest(f"substrate {spec.substrate!r} is not available on node {self.node}; available: {', '.join(self.substrates)}")
         cpu, mem = self._requested()
-        if len(self.sandboxes) >= self.capacity.sandboxes or cpu + spec.cpu > self.capacity.cpu or mem + spec.memory_mb > self.capacity.memory_mb:
-            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes, {cpu:g}/{self.capacity.cpu:g} cpu, "
+        cpu_cap = self.capacity.cpu * self.capacity.cpu_overcommit_max
+        if len(self.sandboxes) >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
+            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes, {cpu:g}/{cpu_cap:g} cpu, "
                            f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         if req.sandbox_id in self.sandboxes:
             return ok(sandbox=self.sandboxes[req.sandbox_id].info)
@@ -235,6 +306,20 @@ class NodeAgent:
             await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job, reason="create failed"))
             raise
         sb.info.state = "running"
+        if spec.canaries or spec.protected_paths:
+            try:
+                for cpath, content in spec.canaries.items():
+                    await sub.write_file(sb, cpath, content.encode(), 0o644, True)
+                await self._watch_files(sb)
+            except BaseException as e:
+                if self.files_audit is not None:
+                    await asyncio.shield(asyncio.to_thread(self.files_audit.remove, sb.id))
+                await asyncio.shield(sub.destroy(sb))
+                await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job,
+                                                reason="create failed"))
+                if isinstance(e, CorralError):
+                    raise
+                raise InvalidRequest(f"could not plant canaries or protect paths: {e}") from None
         await self._register(sb, sub)
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
         await self._event(sb, "created")
@@ -344,6 +429,7 @@ class NodeAgent:
                 return ok(sandbox=sb.info, usage=u)
             if op == "files.read":
                 r = bus.decode(msg.data, FileReadRequest)
+                await self._check_file_read(sb, r.path)
                 data, mode = await sub.read_file(sb, r.path, r.max_bytes)
                 return ok(file=FileContent(path=r.path, content_b64=base64.b64encode(data).decode(), size=len(data), mode=mode))
             if op == "files.write":
@@ -540,6 +626,10 @@ class NodeAgent:
         t0 = time.perf_counter()
         try:
             await self.responder.unserve(sid)
+            if self.seccomp is not None:
+                self.seccomp.unregister(sid)
+            if self.files_audit is not None:
+                await asyncio.to_thread(self.files_audit.remove, sid)
             await sub.destroy(sb)
         finally:
             self.sandboxes.pop(sid, None)

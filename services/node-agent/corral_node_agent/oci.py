@@ -34,28 +34,38 @@ CLONE_NS_FLAGS = {
 }
 
 
-def seccomp_profile() -> dict[str, Any]:
+def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dict[str, Any]:
+    """The seccomp policy. With `listener_path` (the node-agent's seccomp-notify socket) the
+    denied calls are SCMP_ACT_NOTIFY: runc hands the notify fd to that socket, the agent answers
+    EPERM and records each attempt (audit_seccomp.py); `metadata` (the sandbox id) comes back with
+    the fd. Without it (docker, tests) they are plain SCMP_ACT_ERRNO(EPERM)."""
+    deny: dict[str, Any] = ({"action": "SCMP_ACT_NOTIFY"} if listener_path
+                            else {"action": "SCMP_ACT_ERRNO", "errnoRet": EPERM})
     rules: list[dict[str, Any]] = [
-        {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
+        {"names": DENIED_SYSCALLS, **deny},
         # clone3 takes its flags in a struct seccomp cannot read: answer ENOSYS so libc falls back
         # to clone(2), whose flags we can check
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
     ]
     for value in DENIED_IOCTLS.values():
         rules.append({
-            "names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,
+            "names": ["ioctl"], **deny,
             "args": [{"index": 1, "value": value, "op": "SCMP_CMP_EQ"}],
         })
     for flag in CLONE_NS_FLAGS.values():
         rules.append({
-            "names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM,
+            "names": ["clone"], **deny,
             "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
         })
-    return {
+    profile: dict[str, Any] = {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
         "syscalls": rules,
     }
+    if listener_path:
+        profile["listenerPath"] = listener_path
+        profile["listenerMetadata"] = metadata
+    return profile
 
 
 MASKED_PATHS = [
@@ -77,6 +87,7 @@ def config(
     memory_mb: int,
     pids_max: int,
     cpu_period_us: int = 100_000,
+    seccomp_listener: str | None = None,
 ) -> dict[str, Any]:
     mem = memory_mb * 1024 * 1024
     return {
@@ -112,7 +123,7 @@ def config(
                 "cpu": {"quota": max(1000, int(cpu * cpu_period_us)), "period": cpu_period_us},
                 "pids": {"limit": pids_max},
             },
-            "seccomp": seccomp_profile(),
+            "seccomp": seccomp_profile(seccomp_listener, hostname),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
             "rootfsPropagation": "private",

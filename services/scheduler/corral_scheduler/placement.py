@@ -1,30 +1,37 @@
-"""Choosing nodes for a request: filter by substrate and free room, then order by policy."""
+"""Choosing nodes for a request: filter by substrate, free room and heat, then order by policy
+(spread: the emptiest node first; pack: the fullest node that still fits, to keep others free)."""
 from __future__ import annotations
 
 from corral_common.messages import SandboxSpec
 
-from .registry import NodeState
+from .registry import NodeState, Policy
 
 
-def fits(st: NodeState, spec: SandboxSpec) -> bool:
-    cpu, mem, n = st.free()
-    return spec.substrate in st.hb.substrates and cpu >= spec.cpu and mem >= spec.memory_mb and n >= 1
+def fits(st: NodeState, spec: SandboxSpec, policy: Policy | None = None) -> bool:
+    cpu, mem, n = st.free(policy)
+    return (spec.substrate in st.hb.substrates and cpu >= spec.cpu - 1e-9 and mem >= spec.memory_mb and n >= 1
+            and not st.hot(policy))
 
 
-def score(st: NodeState) -> float:
-    """Spread: prefer the node with the largest free share of its scarcer resource."""
-    cpu, mem, n = st.free()
+def free_share(st: NodeState, policy: Policy | None = None) -> float:
+    """The free share of the node's scarcest resource."""
+    cpu, mem, n = st.free(policy)
     cap = st.hb.capacity
-    return min(cpu / max(cap.cpu, 1e-9), mem / max(cap.memory_mb, 1), n / max(cap.sandboxes, 1))
+    return min(cpu / max(st.cpu_ceiling(policy or Policy()), 1e-9), mem / max(cap.memory_mb, 1), n / max(cap.sandboxes, 1))
 
 
-def candidates(nodes: list[NodeState], spec: SandboxSpec) -> list[NodeState]:
-    return sorted((s for s in nodes if fits(s, spec)), key=score, reverse=True)
+def candidates(nodes: list[NodeState], spec: SandboxSpec, policy: Policy | None = None) -> list[NodeState]:
+    ok = [s for s in nodes if fits(s, spec, policy)]
+    return sorted(ok, key=lambda s: free_share(s, policy), reverse=spec.placement != "pack")
 
 
-def describe_room(nodes: list[NodeState]) -> str:
+def describe_room(nodes: list[NodeState], policy: Policy | None = None) -> str:
     if not nodes:
         return "no node-agent is alive"
-    best = max(nodes, key=lambda s: s.free()[1])
-    cpu, mem, n = best.free()
-    return f"{len(nodes)} node(s) alive; most free: {best.hb.node} with {cpu:g} cpu, {mem} MiB, {n} slots"
+    hot = [f"{s.hb.node} ({s.hot(policy)})" for s in nodes if s.hot(policy)]
+    best = max(nodes, key=lambda s: s.free(policy)[1])
+    cpu, mem, n = best.free(policy)
+    out = f"{len(nodes)} node(s) alive; most free: {best.hb.node} with {cpu:g} cpu, {mem} MiB, {n} slots"
+    if hot:
+        out += f"; running hot: {', '.join(hot)}"
+    return out

@@ -17,6 +17,20 @@ class Reservation:
 
 
 @dataclass
+class Policy:
+    """How far to trust requests vs observed use.
+
+    CPU: requests may add up to `cpu_overcommit` x the node's cores (never beyond the node's own
+    maximum), as long as the CPU the node actually uses stays under `hot_cpu` of its cores.
+    Memory: requests are honoured as hard limits (no overcommit) and the observed use must leave
+    `memory_headroom` of the node free."""
+
+    cpu_overcommit: float = 8.0
+    hot_cpu: float = 0.85
+    memory_headroom: float = 0.05
+
+
+@dataclass
 class NodeState:
     hb: Heartbeat
     seen: float
@@ -29,14 +43,30 @@ class NodeState:
             len(self.reservations),
         )
 
-    def free(self) -> tuple[float, int, int]:
+    def cpu_ceiling(self, policy: Policy) -> float:
+        cap = self.hb.capacity
+        return cap.cpu * min(policy.cpu_overcommit, max(1.0, cap.cpu_overcommit_max))
+
+    def free(self, policy: Policy | None = None) -> tuple[float, int, int]:
+        """Room for new requests: (cpu, memory MiB, sandboxes)."""
+        policy = policy or Policy()
         rc, rm, rn = self.reserved()
         cap, use = self.hb.capacity, self.hb.usage
         return (
-            cap.cpu - use.requested_cpu - rc,
+            self.cpu_ceiling(policy) - use.requested_cpu - rc,
             cap.memory_mb - use.requested_memory_mb - rm,
             cap.sandboxes - use.sandboxes - rn,
         )
+
+    def hot(self, policy: Policy | None = None) -> str:
+        """Why this node must not take more work right now ("" if it may)."""
+        policy = policy or Policy()
+        cap, use = self.hb.capacity, self.hb.usage
+        if use.cpu > cap.cpu * policy.hot_cpu:
+            return f"CPU use {use.cpu:.2f} of {cap.cpu:g} cores"
+        if use.memory_mb > cap.memory_mb * (1 - policy.memory_headroom):
+            return f"memory use {use.memory_mb} of {cap.memory_mb} MiB"
+        return ""
 
 
 class Registry:

@@ -21,7 +21,8 @@ from corral_common.messages import (
 )
 
 from . import placement
-from .registry import Registry, Reservation
+from .quotas import KV_QUOTAS, JobQuota, Usage, check_fair_share, check_quota, job_usage
+from .registry import Policy, Registry, Reservation
 
 log = logging.getLogger("corral.scheduler")
 
@@ -29,6 +30,19 @@ PLACEMENTS = metrics.counter("corral_scheduler_placements_total", "Sandboxes pla
 REJECTIONS = metrics.counter("corral_scheduler_rejections_total", "Create requests refused", ("code",))
 NODES_ALIVE = metrics.gauge("corral_scheduler_nodes_alive", "Nodes with a recent heartbeat")
 PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
+QUOTA_SET = "corral.v1.quota.set"
+QUOTA_GET = "corral.v1.quota.get"
+
+
+class QuotaSetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    job: str  # "_default" applies to jobs without their own quota
+    sandboxes: int | None = None
+    cpu: float | None = None
+    memory_mb: int | None = None
+
+
+class QuotaGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    job: str
 ONE_SHOT_SUBSTRATES = {"function"}
 RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
 
@@ -46,13 +60,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     node_timeout_s: float = 30.0
     batch_parallelism: int = 64
     stale_after_s: float = 5.0
+    cpu_overcommit: float = 8.0
+    hot_cpu: float = 0.85
+    memory_headroom: float = 0.05
+    fair_share_below_free: float = 0.1
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.registry = Registry(cfg.stale_after_s)
+        self.policy = Policy(cpu_overcommit=cfg.cpu_overcommit, hot_cpu=cfg.hot_cpu, memory_headroom=cfg.memory_headroom)
         self.placed: dict[str, SandboxInfo] = {}
+        self.quotas: dict[str, JobQuota] = {}
+        self.pending: dict[str, Usage] = {}
         self.tasks: set[asyncio.Task] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -63,6 +84,9 @@ class Scheduler:
         self.kv_nodes = await bus.ensure_kv(self.js, subjects.KV_NODES)
         self.kv_placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
         self.kv_requests = await bus.ensure_kv(self.js, subjects.KV_REQUESTS, ttl=24 * 3600)
+        self.kv_quotas = await bus.ensure_kv(self.js, KV_QUOTAS)
+        self.quota_watcher = await self.kv_quotas.watchall()
+        self._spawn(self._watch_quotas())
         await self._load_nodes()
         self.watcher = await self.kv_placements.watchall()
         self._spawn(self._watch_placements())
@@ -73,6 +97,8 @@ class Scheduler:
         await self.responder.serve(subjects.SANDBOX_CREATE, self._on_create, "create", queue=q)
         await self.responder.serve(subjects.SANDBOX_CREATE_BATCH, self._on_create_batch, "create_batch", queue=q)
         await self.responder.serve(subjects.SANDBOX_LIST, self._on_list, "list", queue=q)
+        await self.responder.serve(QUOTA_SET, self._on_quota_set, "quota.set", queue=q)
+        await self.responder.serve(QUOTA_GET, self._on_quota_get, "quota.get", queue=q)
         await self.responder.serve(subjects.SANDBOX_RUN, self._on_run, "run", queue=q)
         # answers `not_found` for sandboxes no node owns, so raw NATS clients get a JSON reply
         # instead of a bare "no responders" status
@@ -152,6 +178,62 @@ class Scheduler:
                     except Exception:
                         pass
 
+    async def _watch_quotas(self) -> None:
+        async for e in self.quota_watcher:
+            if e is None:
+                continue
+            if e.operation in ("DEL", "PURGE") or not e.value:
+                self.quotas.pop(e.key, None)
+                continue
+            try:
+                self.quotas[e.key] = msgspec.json.decode(e.value, type=JobQuota)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("malformed quota ignored", extra={"fields": {"job": e.key}})
+
+    def _quota(self, job: str) -> JobQuota | None:
+        return self.quotas.get(job) or self.quotas.get("_default")
+
+    async def _on_quota_set(self, msg: Msg) -> bytes:
+        r = bus.decode(msg.data, QuotaSetRequest)
+        key = r.job or "_default"
+        if not key.replace("_", "").replace("-", "").replace(".", "").isalnum():
+            raise InvalidRequest(f"job {r.job!r} cannot hold a quota: use letters, digits, '-', '_' and '.'")
+        for name, v in (("sandboxes", r.sandboxes), ("cpu", r.cpu), ("memory_mb", r.memory_mb)):
+            if v is not None and v < 0:
+                raise InvalidRequest(f"quota {name} must not be negative")
+        q = JobQuota(sandboxes=r.sandboxes, cpu=r.cpu, memory_mb=r.memory_mb)
+        await self.kv_quotas.put(key, msgspec.json.encode(q))
+        self.quotas[key] = q
+        return ok(job=key, quota=q)
+
+    async def _on_quota_get(self, msg: Msg) -> bytes:
+        r = bus.decode(msg.data, QuotaGetRequest)
+        q = self._quota(r.job)
+        used = job_usage(self.placed, self.pending, r.job)
+        return ok(job=r.job, quota=q, used={"sandboxes": used.sandboxes, "cpu": used.cpu, "memory_mb": used.memory_mb})
+
+    def _admit(self, spec: SandboxSpec, count: int) -> None:
+        """Quota and fair-share checks, then count the request as pending for its job."""
+        check_quota(spec.job, self._quota(spec.job), job_usage(self.placed, self.pending, spec.job), spec, count)
+        alive = [s for s in self.registry.alive() if spec.substrate in s.hb.substrates]
+        total = sum(s.hb.capacity.memory_mb for s in alive)
+        free = sum(max(0, s.free(self.policy)[1]) for s in alive)
+        check_fair_share(spec.job, self.placed, total, free, spec, self.cfg.fair_share_below_free)
+        p = self.pending.setdefault(spec.job, Usage())
+        p.sandboxes += count
+        p.cpu += spec.cpu * count
+        p.memory_mb += spec.memory_mb * count
+
+    def _settle(self, spec: SandboxSpec, count: int = 1) -> None:
+        p = self.pending.get(spec.job)
+        if p is None:
+            return
+        p.sandboxes -= count
+        p.cpu -= spec.cpu * count
+        p.memory_mb -= spec.memory_mb * count
+        if p.sandboxes <= 0:
+            self.pending.pop(spec.job, None)
+
     async def _watch_placements(self) -> None:
         async for e in self.watcher:
             if e is None:  # end of the initial values
@@ -182,8 +264,17 @@ class Scheduler:
         if have and spec.substrate not in have:
             raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")
 
-    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, admitted: bool = False) -> SandboxInfo:
         self._check_substrate(spec)
+        if not admitted:
+            self._admit(spec, 1)
+        try:
+            return await self._create(spec)
+        finally:
+            if not admitted:
+                self._settle(spec)
+
+    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         if not spec.request_id:
             return await self._place(new_id(), spec)
         key = "r" + hashlib.sha256(spec.request_id.encode()).hexdigest()[:40]
@@ -232,7 +323,7 @@ class Scheduler:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
-        for st in placement.candidates(alive, spec)[:3]:
+        for st in placement.candidates(alive, spec, self.policy)[:3]:
             res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
             st.reservations.append(res)
             tried.append(st.hb.node)
@@ -256,7 +347,7 @@ class Scheduler:
         detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
         raise Capacity(
             f"no node has room for a sandbox with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
-            f"({placement.describe_room(alive)}){detail}", retry_after_s=1.0,
+            f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=1.0,
         )
 
     async def _ask_node(self, node: str, sid: str, spec: SandboxSpec) -> SandboxInfo:
@@ -290,7 +381,7 @@ class Scheduler:
         data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
         tried: list[str] = []
         last: CorralError | None = None
-        for st in placement.candidates(alive, spec)[:3]:
+        for st in placement.candidates(alive, spec, self.policy)[:3]:
             res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
             st.reservations.append(res)
             tried.append(st.hb.node)
@@ -325,24 +416,28 @@ class Scheduler:
         spec = req.spec
         self._check_substrate(spec)
         alive = self.registry.alive()
-        free_cpu = sum(max(0.0, s.free()[0]) for s in alive if spec.substrate in s.hb.substrates)
-        free_mem = sum(max(0, s.free()[1]) for s in alive if spec.substrate in s.hb.substrates)
-        free_n = sum(max(0, s.free()[2]) for s in alive if spec.substrate in s.hb.substrates)
+        usable = [s for s in alive if spec.substrate in s.hb.substrates and not s.hot(self.policy)]
+        free_cpu = sum(max(0.0, s.free(self.policy)[0]) for s in usable)
+        free_mem = sum(max(0, s.free(self.policy)[1]) for s in usable)
+        free_n = sum(max(0, s.free(self.policy)[2]) for s in usable)
         if spec.cpu * req.count > free_cpu + 1e-9 or spec.memory_mb * req.count > free_mem or req.count > free_n:
             REJECTIONS.labels("capacity").inc()
             raise Capacity(
                 f"a batch of {req.count} x (cpu={spec.cpu:g}, memory_mb={spec.memory_mb}) does not fit: "
                 f"free {free_cpu:g} cpu, {free_mem} MiB, {free_n} slots across {len(alive)} node(s)", retry_after_s=5.0,
             )
+        self._admit(spec, req.count)
         sem = asyncio.Semaphore(self.cfg.batch_parallelism)
 
         async def one(i: int) -> SandboxInfo | CorralError:
             s = msgspec.structs.replace(spec, request_id=f"{spec.request_id}#{i}" if spec.request_id else "")
             async with sem:
                 try:
-                    return await self.create(s)
+                    return await self.create(s, admitted=True)
                 except CorralError as e:
                     return e
+                finally:
+                    self._settle(spec)
 
         results = await asyncio.gather(*(one(i) for i in range(req.count)))
         made = [r for r in results if isinstance(r, SandboxInfo)]

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from .base import Substrate
 from .container import ContainerSubstrate
+from .docker import DockerSubstrate
 from .function import FunctionSubstrate
 
 REGISTRY: dict[str, type[Substrate]] = {
     ContainerSubstrate.name: ContainerSubstrate,
     FunctionSubstrate.name: FunctionSubstrate,
+    DockerSubstrate.name: DockerSubstrate,
 }
 
 __all__ = ["REGISTRY", "Substrate"]

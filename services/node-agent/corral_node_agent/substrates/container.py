@@ -81,6 +81,9 @@ class ContainerSandbox(Sandbox):
 
 class ContainerSubstrate(Substrate):
     name = "container"
+    #: the node-agent's seccomp-notify socket (audit_seccomp.py), set by the agent before create:
+    #: denied syscalls are then SCMP_ACT_NOTIFY and audited; None keeps them SCMP_ACT_ERRNO
+    seccomp_listener: str | None = None
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc"):
         self.node = node
@@ -150,6 +153,7 @@ class ContainerSubstrate(Substrate):
             cpu=spec.cpu,
             memory_mb=spec.memory_mb,
             pids_max=spec.pids_max,
+            seccomp_listener=self.seccomp_listener,
         )
         with open(f"{sdir}/config.json", "w") as f:
             json.dump(cfg, f)

@@ -335,6 +335,9 @@ class FunctionSubstrate(ContainerSubstrate):
             except OSError:
                 linux.umount(mp, detach=True)
         cg.destroy(timeout=1)
+        # runc also made the container's group in a hybrid host's empty v2 tree (what `runc delete`
+        # would remove; cgroups.V1_ALL does not list it)
+        cgroups.rmtree_cgroup(f"{cgroups.ROOT}/unified/{cg.rel}")
         shutil.rmtree(sdir, ignore_errors=True)
 
     def _evict_lru(self) -> None:
@@ -377,7 +380,9 @@ class FunctionSubstrate(ContainerSubstrate):
             if os.path.isdir(d):
                 seen.update(n for n in os.listdir(d) if n.startswith(ID_PREFIX))
         parent = cgroups.Cgroups(self.cgroup_parent)
-        for d in parent.all_dirs():
+        for d in [*parent.all_dirs(), *([f"{cgroups.ROOT}/unified/{parent.rel}"] if not parent.v2 else [])]:
+            if not os.path.isdir(d):
+                continue
             seen.update(n for n in os.listdir(d) if n.startswith(ID_PREFIX) and os.path.isdir(f"{d}/{n}"))
         for sid in sorted(seen):
             self._teardown_fn(sid, f"{self.sandboxes_dir}/{sid}")

@@ -1,0 +1,262 @@
+"""Denied syscalls, observed: the node-agent is the seccomp-notify supervisor of its sandboxes.
+
+The container substrate writes the denied calls (oci.DENIED_SYSCALLS, the FIEMAP/GETFSMAP ioctls,
+clone with namespace flags) as SCMP_ACT_NOTIFY with `listenerPath` = this listener's unix socket
+and `listenerMetadata` = the sandbox id. runc connects at container start and sends the notify fd
+(SCM_RIGHTS) with the OCI state JSON. For each notification we answer EPERM (the call never runs)
+and report (sandbox id, host pid, syscall name, detail) to a callback, which the agent turns into
+an AuditEvent of kind "syscall".
+
+Failure modes: if the agent (and so this listener) dies, the notify fds close and the kernel fails
+every notified call with ENOSYS: the sandbox keeps running, the denied calls stay denied, but they
+are no longer recorded. An agent that restarts and adopts live sandboxes cannot get their notify
+fds back (runc sends them once, at start): for those sandboxes denied calls fail with ENOSYS and
+are not audited until the sandbox is recreated. Fails closed, never open."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import logging
+import os
+import select
+import socket
+import struct
+from collections.abc import Callable
+
+from corral_common import metrics
+
+from . import oci
+
+log = logging.getLogger("corral.node.seccomp")
+
+SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100
+SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101
+SECCOMP_IOCTL_NOTIF_ID_VALID = 0x40082102
+NOTIF = struct.Struct("=QIIiIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]} (80 bytes)
+RESP = struct.Struct("=QqiI")  # seccomp_notif_resp: id, val, error, flags (24 bytes)
+assert NOTIF.size == 80 and RESP.size == 24
+
+AUDIT_ARCH_X86_64 = 0xC000003E
+AUDIT_ARCH_I386 = 0x40000003
+X32_SYSCALL_BIT = 0x40000000
+
+# x86_64 numbers of every syscall the policy notifies on (checked against <sys/syscall.h>)
+X86_64_SYSCALLS: dict[int, str] = {
+    165: "mount", 166: "umount2", 155: "pivot_root", 429: "move_mount", 428: "open_tree", 430: "fsopen",
+    432: "fsmount", 433: "fspick", 431: "fsconfig", 442: "mount_setattr", 308: "setns", 272: "unshare",
+    101: "ptrace", 310: "process_vm_readv", 311: "process_vm_writev", 321: "bpf", 298: "perf_event_open",
+    250: "keyctl", 248: "add_key", 249: "request_key", 323: "userfaultfd", 304: "open_by_handle_at",
+    303: "name_to_handle_at", 246: "kexec_load", 320: "kexec_file_load", 175: "init_module", 313: "finit_module",
+    176: "delete_module", 167: "swapon", 168: "swapoff", 169: "reboot", 163: "acct", 164: "settimeofday",
+    227: "clock_settime", 305: "clock_adjtime", 159: "adjtimex", 172: "iopl", 173: "ioperm", 179: "quotactl",
+    212: "lookup_dcookie", 103: "syslog", 153: "vhangup", 180: "nfsservctl", 300: "fanotify_init",
+    438: "pidfd_getfd", 312: "kcmp", 134: "uselib", 16: "ioctl", 56: "clone", 435: "clone3",
+}
+IOCTL_NAMES = {v: k for k, v in oci.DENIED_IOCTLS.items()}
+
+NOTIFIED = metrics.counter("corral_seccomp_notifications_total", "Denied syscalls seen by the seccomp-notify listener", ("node",))
+
+# (sandbox id, host pid, comm, syscall name, detail)
+Callback = Callable[[str, int, str, str, dict[str, str]], None]
+
+
+def syscall_name(arch: int, nr: int) -> str:
+    if arch == AUDIT_ARCH_X86_64 and not nr & X32_SYSCALL_BIT:
+        return X86_64_SYSCALLS.get(nr, f"syscall_{nr}")
+    return f"syscall_{nr & ~X32_SYSCALL_BIT}"
+
+
+def describe(arch: int, nr: int, args: tuple[int, ...]) -> tuple[str, dict[str, str]]:
+    name = syscall_name(arch, nr)
+    detail: dict[str, str] = {}
+    if arch != AUDIT_ARCH_X86_64 or nr & X32_SYSCALL_BIT:
+        detail["arch"] = "x32" if arch == AUDIT_ARCH_X86_64 else ("i386" if arch == AUDIT_ARCH_I386 else hex(arch))
+    if name == "ioctl":
+        req = args[1] & 0xFFFFFFFF
+        detail["fd"] = str(args[0] & 0xFFFFFFFF)
+        detail["request"] = IOCTL_NAMES.get(req, hex(req))
+        detail["ioctl"] = detail["request"]
+    elif name in ("clone", "unshare"):
+        flags = args[0] & 0xFFFFFFFF
+        detail["flags"] = hex(flags)
+        names = [n for n, v in oci.CLONE_NS_FLAGS.items() if flags & v]
+        if names:
+            detail["namespaces"] = ",".join(names)
+    elif name in ("ptrace",):
+        detail["request"] = str(args[0])
+        detail["target_pid"] = str(args[1] & 0xFFFFFFFF)
+    elif name in ("process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd", "setns"):
+        detail["arg0"] = str(args[0] & 0xFFFFFFFF)
+    else:
+        for i in range(3):
+            detail[f"arg{i}"] = hex(args[i])
+    return name, detail
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class SeccompListener:
+    """One unix socket per node; one notify fd per container, read on the event loop."""
+
+    def __init__(self, path: str, on_denied: Callback, node: str = ""):
+        self.path = path
+        self.on_denied = on_denied
+        self.node = node
+        self.sock: socket.socket | None = None
+        self.fds: dict[str, int] = {}  # sandbox id -> notify fd
+        self.task: asyncio.Task | None = None
+        self.handshakes: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.bind(self.path)
+        os.chmod(self.path, 0o600)
+        s.listen(256)
+        s.setblocking(False)
+        self.sock = s
+        self.task = asyncio.create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.sock is not None
+        while True:
+            conn, _ = await loop.sock_accept(self.sock)
+            t = asyncio.create_task(self._handshake(conn))
+            self.handshakes.add(t)
+            t.add_done_callback(self.handshakes.discard)
+
+    async def _handshake(self, conn: socket.socket) -> None:
+        """Read runc's message: the OCI container process state (JSON) and the notify fd."""
+        loop = asyncio.get_running_loop()
+        fds: list[int] = []
+        data = b""
+        try:
+            conn.setblocking(False)
+            deadline = loop.time() + 10
+            while True:
+                fut = loop.create_future()
+                loop.add_reader(conn.fileno(), lambda: fut.done() or fut.set_result(None))
+                try:
+                    await asyncio.wait_for(fut, max(0.01, deadline - loop.time()))
+                finally:
+                    loop.remove_reader(conn.fileno())
+                try:
+                    chunk, got, _flags, _addr = socket.recv_fds(conn, 1 << 16, 8)
+                except BlockingIOError:
+                    continue
+                fds.extend(got)
+                if not chunk:
+                    break
+                data += chunk
+                if fds and _complete_json(data):
+                    break
+            state = json.loads(data) if data else {}
+            sid = str(state.get("metadata") or "")
+            fd_names = state.get("fds") or []
+            idx = fd_names.index("seccompFd") if "seccompFd" in fd_names else 0
+            if not sid or len(fds) <= idx:
+                raise ValueError(f"bad seccomp handshake (metadata {sid!r}, {len(fds)} fd(s))")
+            nfd = fds.pop(idx)
+            self.register(sid, nfd)
+        except Exception as e:
+            log.warning("seccomp listener handshake failed", extra={"fields": {"error": repr(e)}})
+        finally:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    def register(self, sid: str, nfd: int) -> None:
+        old = self.fds.pop(sid, None)
+        if old is not None:
+            self._close(old)
+        os.set_inheritable(nfd, False)
+        self.fds[sid] = nfd
+        asyncio.get_running_loop().add_reader(nfd, self._on_ready, sid, nfd)
+
+    def _on_ready(self, sid: str, nfd: int) -> None:
+        p = select.poll()
+        p.register(nfd, select.POLLIN)
+        ready = p.poll(0)
+        revents = ready[0][1] if ready else 0
+        if not revents & select.POLLIN:
+            if revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                # every process of the sandbox is gone: the filter has no users left
+                self._drop(sid, nfd)
+            return
+        buf = bytearray(NOTIF.size)
+        try:
+            fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
+                return  # the caller died between poll and recv
+            # the filter is gone (every process of the sandbox exited): POLLHUP, stop watching
+            self._drop(sid, nfd)
+            return
+        nid, pid, _flags, nr, arch, _ip, *args = NOTIF.unpack(bytes(buf))
+        comm = _comm(pid)  # while the caller still waits for us
+        try:
+            fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, -errno.EPERM, 0))
+        except OSError:
+            pass  # the caller was killed meanwhile
+        name, detail = describe(arch, nr, tuple(args))
+        NOTIFIED.labels(self.node).inc()
+        try:
+            self.on_denied(sid, pid, comm, name, detail)
+        except Exception:
+            log.exception("seccomp audit callback failed")
+
+    def _drop(self, sid: str, nfd: int) -> None:
+        if self.fds.get(sid) == nfd:
+            del self.fds[sid]
+        self._close(nfd)
+
+    def _close(self, nfd: int) -> None:
+        try:
+            asyncio.get_running_loop().remove_reader(nfd)
+        except (RuntimeError, ValueError):
+            pass
+        try:
+            os.close(nfd)
+        except OSError:
+            pass
+
+    def unregister(self, sid: str) -> None:
+        nfd = self.fds.pop(sid, None)
+        if nfd is not None:
+            self._close(nfd)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        for sid in list(self.fds):
+            self.unregister(sid)
+        if self.sock is not None:
+            self.sock.close()
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+def comm_of(pid: int) -> str:
+    return _comm(pid)
+
+
+def _complete_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+        return True
+    except ValueError:
+        return False
