@@ -19,6 +19,9 @@ checkpoints: nothing deduplicates). The task reads a few small files and runs a 
   docker      `docker load` of a `docker save` archive of the same root filesystem (base rootfs +
               the generated layer, `docker import`ed) with the image removed and the page cache
               dropped beforehand, then `docker run --rm --network none IMG sh -c TASK`.
+  lazy, no readahead  the lazy start again (--reps times, fresh image names) after restarting the
+              node's loader with `--readahead-chunks 0`: the bytes the task itself reads, without
+              the chunks the loader fetches ahead of sequential readers (skip: --no-readahead-pass).
   worst case  a task reading the whole image (`tar -cf - --one-file-system . | wc -c` at /), lazy
               (cold, no trace) vs eager (cold, fetch everything, then the same task).
 
@@ -28,6 +31,10 @@ sample is in the JSON. The generated files are kept in --cache (default
 
     .venv/bin/python -m bench.lazy_start [--reps 3] [--size-mib 1024] [--out bench/results]
                                          [--loader-args "--readahead-chunks 0"] [--no-docker] [--no-worst]
+
+The stack is the embedded one (`corral_sdk.stack.Stack`, no monitor, node substrates: container);
+`BenchStack` only appends --loader-args to the loader's command line (Stack passes `node_args` to
+node-agents, not to loaders), and the no-readahead pass restarts the loader process with one more flag.
 
 Run as root (runc, mounts, drop_caches, dockerd). dockerd: used if `docker info` answers, else
 started here (`dockerd --host unix:///var/run/docker.sock`) and stopped at the end.
@@ -721,7 +728,8 @@ def plot(res: dict, path: str) -> None:
     for i, (label, v, col) in enumerate(bars):
         a.bar(i, v, color=col)
         a.text(i, v * 1.15, f"{v:.0f} MiB\n{100 * v * (1 << 20) / size:.1f}%", ha="center", fontsize=8)
-    a.axhline(0.06 * size / (1 << 20), color="r", ls="--", lw=1, label="6% of the image")
+    a.axhline(0.06 * size / (1 << 20), color="r", ls="--", lw=1, label="6% of the image (goal)")
+    a.set_ylim(1, size / (1 << 20) * 5)
     a.set_xticks(range(len(bars)), [b[0] for b in bars])
     a.set_yscale("log")
     a.set_ylabel("MiB fetched before the first exec result (log)")
@@ -769,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("this benchmark needs root (runc, mounts, drop_caches, dockerd)", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: the stack is stopped on the way out
     res = asyncio.run(Bench(a).run())
     os.makedirs(a.out, exist_ok=True)
     for var in (res.get("samples") or {}).values():

@@ -917,7 +917,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-dir", default=DEFAULT_IMAGE_DIR)
     ap.add_argument("--skip", action="append", default=[], choices=["corral", "runc", "docker"],
                     help="leave a system out (repeatable; for debugging)")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG (beside JSON) and print the summary of a saved run")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        plot(saved, os.path.splitext(args.replot)[0] + ".png")
+        print(summary(saved))
+        return 0
     signal.signal(signal.SIGTERM, _on_term)
 
     if os.geteuid() != 0:

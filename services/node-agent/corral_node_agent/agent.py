@@ -346,8 +346,9 @@ class NodeAgent:
         cpu += sum(s.cpu for s in self.runs.values())
         mem += sum(s.memory_mb for s in self.runs.values())
         n = len(self.sandboxes) + len(self.runs)
-        if n >= self.capacity.sandboxes or cpu + spec.cpu > self.capacity.cpu or mem + spec.memory_mb > self.capacity.memory_mb:
-            raise Capacity(f"node {self.node} is full ({n} sandboxes and calls, {cpu:g}/{self.capacity.cpu:g} cpu, "
+        cpu_cap = self.capacity.cpu * getattr(self.capacity, "cpu_overcommit_max", 1.0)
+        if n >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
+            raise Capacity(f"node {self.node} is full ({n} sandboxes and calls, {cpu:g}/{cpu_cap:g} cpu, "
                            f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=0.2)
         # (an unknown image is the substrate's NotFound, raised before it sets anything up)
         now = time.time()

@@ -29,19 +29,25 @@ class Usage:
     memory_mb: int = 0
 
 
-def job_usage(placed: dict[str, SandboxInfo], pending: dict[str, Usage], job: str) -> Usage:
-    u = Usage()
-    for info in placed.values():
-        if info.job == job:
-            u.sandboxes += 1
-            u.cpu += info.cpu
-            u.memory_mb += info.memory_mb
-    p = pending.get(job)
-    if p:
-        u.sandboxes += p.sandboxes
-        u.cpu += p.cpu
-        u.memory_mb += p.memory_mb
-    return u
+class JobTotals:
+    """What each job holds, kept up to date as placements come and go, so admission costs the
+    same with 380,000 live sandboxes as with 10."""
+
+    def __init__(self) -> None:
+        self.by_job: dict[str, Usage] = {}
+
+    def add(self, info: SandboxInfo, sign: int = 1) -> None:
+        u = self.by_job.setdefault(info.job, Usage())
+        u.sandboxes += sign
+        u.cpu += sign * info.cpu
+        u.memory_mb += sign * info.memory_mb
+        if u.sandboxes <= 0:
+            self.by_job.pop(info.job, None)
+
+    def of(self, job: str, pending: dict[str, Usage]) -> Usage:
+        u = self.by_job.get(job, Usage())
+        p = pending.get(job, Usage())
+        return Usage(sandboxes=u.sandboxes + p.sandboxes, cpu=u.cpu + p.cpu, memory_mb=u.memory_mb + p.memory_mb)
 
 
 def check_quota(job: str, quota: JobQuota | None, used: Usage, spec: SandboxSpec, count: int = 1) -> None:
@@ -59,16 +65,16 @@ def check_quota(job: str, quota: JobQuota | None, used: Usage, spec: SandboxSpec
                        f"{quota.memory_mb} MiB", retry_after_s=5.0)
 
 
-def check_fair_share(job: str, placed: dict[str, SandboxInfo], total_memory_mb: int, free_memory_mb: int,
+def check_fair_share(job: str, totals: JobTotals, total_memory_mb: int, free_memory_mb: int,
                      spec: SandboxSpec, contention: float = 0.1) -> None:
     """Under contention (less than `contention` of memory free), refuse a job above its equal share."""
     if total_memory_mb <= 0 or free_memory_mb > total_memory_mb * contention:
         return
-    jobs = {i.job for i in placed.values()} | {job}
+    jobs = set(totals.by_job) | {job}
     if len(jobs) < 2:
         return  # nobody to be fair to: plain capacity decides
     share = total_memory_mb / len(jobs)
-    mine = sum(i.memory_mb for i in placed.values() if i.job == job)
+    mine = totals.by_job.get(job, Usage()).memory_mb
     if mine + spec.memory_mb > share:
         raise Capacity(f"the cluster is contended ({free_memory_mb} of {total_memory_mb} MiB free) and job {job or '(no job)'} "
                        f"holds {mine} MiB, above its fair share of {share:.0f} MiB among {len(jobs)} jobs",

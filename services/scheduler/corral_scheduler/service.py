@@ -21,7 +21,7 @@ from corral_common.messages import (
 )
 
 from . import placement
-from .quotas import KV_QUOTAS, JobQuota, Usage, check_fair_share, check_quota, job_usage
+from .quotas import KV_QUOTAS, JobQuota, JobTotals, Usage, check_fair_share, check_quota
 from .registry import Policy, Registry, Reservation
 
 log = logging.getLogger("corral.scheduler")
@@ -72,7 +72,9 @@ class Scheduler:
         self.registry = Registry(cfg.stale_after_s)
         self.policy = Policy(cpu_overcommit=cfg.cpu_overcommit, hot_cpu=cfg.hot_cpu, memory_headroom=cfg.memory_headroom)
         self.placed: dict[str, SandboxInfo] = {}
+        self.totals = JobTotals()
         self.quotas: dict[str, JobQuota] = {}
+        self.kv_node_put: dict[str, float] = {}
         self.pending: dict[str, Usage] = {}
         self.tasks: set[asyncio.Task] = set()
 
@@ -146,10 +148,15 @@ class Scheduler:
             return
         self.registry.heartbeat(hb)
         NODES_ALIVE.set(len(self.registry.alive()))
-        try:
-            await self.kv_nodes.put(hb.node, msg.data)
-        except Exception:
-            pass
+        # the registry in KV is for replicas and operators, not the hot path: refresh it every few
+        # seconds per node rather than on every heartbeat (a thousand nodes beat every second)
+        now = time.monotonic()
+        if now - self.kv_node_put.get(hb.node, 0.0) >= 5.0 or hb.stopping:
+            self.kv_node_put[hb.node] = now
+            try:
+                await self.kv_nodes.put(hb.node, msg.data)
+            except Exception:
+                pass
 
     async def _lost_node_loop(self) -> None:
         """A node that stops heartbeating is lost: its sandboxes are reported lost and dropped from
@@ -209,16 +216,16 @@ class Scheduler:
     async def _on_quota_get(self, msg: Msg) -> bytes:
         r = bus.decode(msg.data, QuotaGetRequest)
         q = self._quota(r.job)
-        used = job_usage(self.placed, self.pending, r.job)
+        used = self.totals.of(r.job, self.pending)
         return ok(job=r.job, quota=q, used={"sandboxes": used.sandboxes, "cpu": used.cpu, "memory_mb": used.memory_mb})
 
     def _admit(self, spec: SandboxSpec, count: int) -> None:
         """Quota and fair-share checks, then count the request as pending for its job."""
-        check_quota(spec.job, self._quota(spec.job), job_usage(self.placed, self.pending, spec.job), spec, count)
+        check_quota(spec.job, self._quota(spec.job), self.totals.of(spec.job, self.pending), spec, count)
         alive = [s for s in self.registry.alive() if spec.substrate in s.hb.substrates]
         total = sum(s.hb.capacity.memory_mb for s in alive)
         free = sum(max(0, s.free(self.policy)[1]) for s in alive)
-        check_fair_share(spec.job, self.placed, total, free, spec, self.cfg.fair_share_below_free)
+        check_fair_share(spec.job, self.totals, total, free, spec, self.cfg.fair_share_below_free)
         p = self.pending.setdefault(spec.job, Usage())
         p.sandboxes += count
         p.cpu += spec.cpu * count
@@ -234,15 +241,27 @@ class Scheduler:
         if p.sandboxes <= 0:
             self.pending.pop(spec.job, None)
 
+    def _set_placed(self, info: SandboxInfo) -> None:
+        old = self.placed.get(info.id)
+        if old is not None:
+            self.totals.add(old, -1)
+        self.placed[info.id] = info
+        self.totals.add(info)
+
+    def _unplace(self, sid: str) -> None:
+        old = self.placed.pop(sid, None)
+        if old is not None:
+            self.totals.add(old, -1)
+
     async def _watch_placements(self) -> None:
         async for e in self.watcher:
             if e is None:  # end of the initial values
                 continue
             if e.operation in ("DEL", "PURGE") or not e.value:
-                self.placed.pop(e.key, None)
+                self._unplace(e.key)
                 continue
             try:
-                self.placed[e.key] = msgspec.json.decode(e.value, type=SandboxInfo)
+                self._set_placed(msgspec.json.decode(e.value, type=SandboxInfo))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
 
@@ -341,7 +360,7 @@ class Scheduler:
                 raise
             res.done_at = time.time()
             PLACEMENTS.labels(st.hb.node).inc()
-            self.placed[sid] = info
+            self._set_placed(info)
             return info
         REJECTIONS.labels("capacity").inc()
         detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""

@@ -365,7 +365,10 @@ class DockerSubstrate(Substrate):
         if not sb.cg.remove_group(group):
             sb.lingering.add(group)
         stderr = caps["stderr"].buf.decode("utf-8", errors="replace")
-        oom = code == 137 and sb.cg.oom_kills() > oom_before
+        oom_now = sb.cg.oom_kills() > oom_before
+        if code == 255 and oom_now:  # Docker never said; the memory cgroup did
+            code = 137
+        oom = code == 137 and oom_now
         if oom:
             stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={sb.spec.memory_mb})\n"
         if timed_out:
@@ -810,8 +813,11 @@ def _write_eof(stream) -> None:
         transport.write_eof()
 
 
-async def _exit_code(ex, timed_out: bool) -> int:
-    deadline = time.monotonic() + 10
+async def _exit_code(ex, timed_out: bool, wait_s: float = 60.0) -> int:
+    """The exec's exit code as Docker reports it (authoritative; the process is not our child).
+    Docker may report it late: after an OOM kill under load, or while it still drains the output
+    of an earlier exec whose background children hold it open (up to a few seconds)."""
+    deadline = time.monotonic() + wait_s
     delay = 0.001
     while True:
         try:

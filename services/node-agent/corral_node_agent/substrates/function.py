@@ -11,14 +11,24 @@ socket and no `runc exec`. The command itself is the container's process, starte
 the command exits, its pid namespace goes with it, so nothing it started outlives the call; a
 timeout freezes and kills the sandbox's cgroup.
 
-What does not depend on the call is done before it arrives: for every recently used image a few
-*slots* are kept ready (layers mounted through the node's loader, tmpfs, overlay root, and a
-network namespace holding only `lo`, already up, which runc joins instead of creating one, which
-is also what makes runc fastest). A call takes a slot, applies its disk size and workdir, writes
-config.json, runs runc and waits. The reply goes out as soon as the command has exited; the
-teardown (cgroup, runc state, mounts, files, layer references) follows right after, off the
-caller's clock. Slots unused for `slot_idle_s` are released; a node-agent restart cleans up every
-slot and every call it finds."""
+What does not depend on the call is done before it arrives, in two tiers per recently used image:
+
+* *warm* sandboxes (`warm_per_image`, default 1): a complete container sandbox, made exactly as the
+  `container` substrate makes one (corral-init as PID 1, same config) but never used. A call that
+  finds one sets its cgroup limits (memory, cpu, pids), disk size and workdir to the call's spec
+  and runs the command through init, like a container exec: a few milliseconds instead of a runc
+  start. Refills wait until the node has been quiet for a moment, because making one costs a
+  full runc start that back-to-back calls would otherwise compete with.
+* *slots* (`slots_per_image`, default 2): layers mounted through the node's loader, tmpfs,
+  overlay root, and a network namespace holding only `lo`, already up, which runc joins instead of
+  creating one (which is also what makes runc fastest). A call without a warm sandbox takes a
+  slot, applies its disk size and workdir, writes config.json, runs runc and waits. Cheap to
+  refill, so back-to-back calls always find one.
+
+The reply goes out as soon as the command has exited; the teardown (cgroup, runc state, mounts,
+files, layer references) follows right after, off the caller's clock. Idle images' slots and warm
+sandboxes are released after `slot_idle_s`; a node-agent restart cleans up everything it finds.
+`CORRAL_FUNCTION_WARM` and `CORRAL_FUNCTION_SLOTS` set the two pool sizes (0 disables a tier)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +37,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -43,13 +54,14 @@ from .. import cgroups, confine, oci
 from ..layermounts import LayerMounts
 from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
-from .container import DEFAULT_ENV, ContainerSubstrate, _feed, wait_pid
+from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, wait_pid
 
 log = logging.getLogger("corral.node.function")
 
 MS_REMOUNT = 32
 CLONE_NEWNET = 0x40000000
 ID_PREFIX = "fn-"
+WARM_QUIET_S = 0.1  # make a warm sandbox only after this long without a call starting
 
 
 @dataclass
@@ -84,13 +96,20 @@ class FunctionSubstrate(ContainerSubstrate):
     name = "function"
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc",
-                 slots_per_image: int = 2, max_images: int = 8, slot_idle_s: float = 120.0):
+                 slots_per_image: int | None = None, max_images: int = 8, slot_idle_s: float = 120.0,
+                 warm_per_image: int | None = None):
         super().__init__(node, state_dir, layers, runc)
         # own directories and runc root: the container substrate's reconciliation must never see
         # (or adopt) a function call, and ours must never touch a container sandbox
         self.sandboxes_dir = f"{state_dir}/functions"
         self.runc_root = f"{state_dir}/runc-fn"
-        self.slots_per_image = slots_per_image
+        self.slots_per_image = int(os.environ.get("CORRAL_FUNCTION_SLOTS", 2)) if slots_per_image is None else slots_per_image
+        self.warm_per_image = int(os.environ.get("CORRAL_FUNCTION_WARM", 1)) if warm_per_image is None else warm_per_image
+        self.warm: dict[str, list[ContainerSandbox]] = {}
+        self.warming: dict[str, asyncio.Task] = {}
+        self.running_warm: dict[str, ContainerSandbox] = {}
+        self.last_call = 0.0
+        self.inflight = 0
         self.max_images = max_images
         self.slot_idle_s = slot_idle_s
         self.slots: dict[str, list[Slot]] = {}
@@ -132,15 +151,34 @@ class FunctionSubstrate(ContainerSubstrate):
             cwd = "/" + cwd
         if any("\0" in s for s in (*argv, *env.values(), cwd)):
             raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
-        slot = await self._take(spec)
-        info.id = slot.sid
-        self.running[slot.sid] = slot
+        self.last_call = time.monotonic()
+        self.inflight += 1
         try:
-            result = await self._run_in(slot, spec, req, argv, env, cwd, on_chunk)
-        except BaseException:
-            await asyncio.shield(self._release(slot))
-            raise
-        return result, lambda: self._release(slot)
+            wanted = list((await self.layers.catalog.image(spec.image)).layers)  # NotFound (with the list) for unknown images
+            self.last_used[spec.image] = time.monotonic()
+            self.disk_hint[spec.image] = spec.disk_mb
+            sb = await self._take_warm(spec, wanted)
+            if sb is not None:
+                info.id = sb.id
+                self.running_warm[sb.id] = sb
+                try:
+                    result = await ContainerSubstrate.exec(self, sb, req, on_chunk)
+                except BaseException:
+                    await asyncio.shield(self._destroy_warm(sb))
+                    raise
+                return result, lambda: self._destroy_warm(sb)
+            slot = await self._take(spec, wanted)
+            info.id = slot.sid
+            self.running[slot.sid] = slot
+            try:
+                result = await self._run_in(slot, spec, req, argv, env, cwd, on_chunk)
+            except BaseException:
+                await asyncio.shield(self._release(slot))
+                raise
+            return result, lambda: self._release(slot)
+        finally:
+            self.inflight -= 1
+            self._refill_warm(spec.image)
 
     async def _run_in(self, slot: Slot, spec: SandboxSpec, req: ExecRequest, argv: list[str], env: dict[str, str],
                       cwd: str, on_chunk: ChunkCallback | None) -> ExecResult:
@@ -228,9 +266,8 @@ class FunctionSubstrate(ContainerSubstrate):
 
     # ------------------------------------------------------------------ slots
 
-    async def _take(self, spec: SandboxSpec) -> Slot:
+    async def _take(self, spec: SandboxSpec, wanted: list[str]) -> Slot:
         image = spec.image
-        wanted = list((await self.layers.catalog.image(image)).layers)  # NotFound (with the list) for unknown images
         self.last_used[image] = time.monotonic()
         self.disk_hint[image] = spec.disk_mb
         pool = self.slots.get(image, [])
@@ -348,6 +385,8 @@ class FunctionSubstrate(ContainerSubstrate):
         self.last_used.pop(image, None)
         for slot in self.slots.pop(image, []):
             self._spawn(self._release(slot))
+        for sb in self.warm.pop(image, []):
+            self._spawn(self._destroy_warm(sb))
         h = self.holds.get(image)
         if h is not None:
             self._drop_hold(h)
@@ -364,6 +403,78 @@ class FunctionSubstrate(ContainerSubstrate):
         t = asyncio.create_task(coro)
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------------ warm sandboxes
+
+    async def _take_warm(self, spec: SandboxSpec, wanted: list[str]) -> ContainerSandbox | None:
+        pool = self.warm.get(spec.image)
+        while pool:
+            sb = pool.pop()
+            alive = sb.pidfd is not None and not select.select([sb.pidfd], [], [], 0)[0]
+            if not alive or sb.layers != wanted:
+                self._spawn(self._destroy_warm(sb))
+                continue
+            try:
+                await asyncio.to_thread(self._fit, sb, spec)
+            except OSError as e:  # e.g. a memory limit below what it already uses: not this one
+                log.warning("warm sandbox does not fit the call", extra={"fields": {"sandbox": sb.id, "error": str(e)}})
+                self._spawn(self._destroy_warm(sb))
+                return None
+            sb.spec = spec
+            sb.info.job, sb.info.labels, sb.info.cpu, sb.info.memory_mb = spec.job, spec.labels, spec.cpu, spec.memory_mb
+            return sb
+        return None
+
+    def _fit(self, sb: ContainerSandbox, spec: SandboxSpec) -> None:
+        """Give a warm sandbox the call's limits (what runc set from the template spec)."""
+        cg = sb.cg
+        mem = spec.memory_mb << 20
+        quota = max(1000, int(spec.cpu * 100_000))
+        if cg.v2:
+            _write(cg.path("", "memory.max"), str(mem))
+            _write(cg.path("", "cpu.max"), f"{quota} 100000")
+            _write(cg.path("", "pids.max"), str(spec.pids_max))
+        else:
+            _write(cg.path("memory", "memory.limit_in_bytes"), str(mem))
+            _write(cg.path("memory", "memory.soft_limit_in_bytes"), str(mem // 4))
+            _write(cg.path("cpu", "cpu.cfs_quota_us"), str(quota))
+            _write(cg.path("pids", "pids.max"), str(spec.pids_max))
+        if spec.disk_mb != sb.spec.disk_mb:
+            linux.mount("tmpfs", f"{sb.sdir}/rw", "tmpfs", MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m")
+        if spec.workdir not in ("", "/"):
+            confine.mkdirs(sb.rootfs, spec.workdir)
+
+    def _refill_warm(self, image: str) -> None:
+        if self.closing or self.warm_per_image <= 0 or image not in self.last_used:
+            return
+        t = self.warming.get(image)
+        if t is None or t.done():
+            self.warming[image] = asyncio.create_task(self._warm_fill(image))
+
+    async def _warm_fill(self, image: str) -> None:
+        try:
+            while not self.closing and image in self.last_used and len(self.warm.get(image, [])) < self.warm_per_image:
+                quiet = time.monotonic() - self.last_call
+                if self.inflight or quiet < WARM_QUIET_S:
+                    await asyncio.sleep(max(0.01, WARM_QUIET_S - quiet))
+                    continue
+                sid = f"{ID_PREFIX}{secrets.token_hex(6)}"
+                now = time.time()
+                info = SandboxInfo(id=sid, node=self.node, state="creating", substrate="function", image=image,
+                                   created_at=now, expires_at=now + 365 * 86400)
+                spec = SandboxSpec(image=image, substrate="function", disk_mb=self.disk_hint.get(image, 1024))
+                sb = await ContainerSubstrate.create(self, info, spec)
+                assert isinstance(sb, ContainerSandbox)
+                if self.closing or image not in self.last_used:
+                    await self._destroy_warm(sb)
+                    return
+                self.warm.setdefault(image, []).append(sb)
+        except Exception as e:
+            log.warning("could not make a warm function sandbox", extra={"fields": {"image": image, "error": str(e)}})
+
+    async def _destroy_warm(self, sb: ContainerSandbox) -> None:
+        self.running_warm.pop(sb.id, None)
+        await ContainerSubstrate.destroy(self, sb)
 
     # ------------------------------------------------------------------ restart, shutdown
 
@@ -395,12 +506,15 @@ class FunctionSubstrate(ContainerSubstrate):
         self.closing = True
         if self.janitor is not None:
             self.janitor.cancel()
-        for t in list(self.filling.values()):
+        for t in [*self.filling.values(), *self.warming.values()]:
             t.cancel()
-        await asyncio.gather(*self.filling.values(), return_exceptions=True)
+        await asyncio.gather(*self.filling.values(), *self.warming.values(), return_exceptions=True)
         slots = [s for pool in self.slots.values() for s in pool] + list(self.running.values())
         self.slots.clear()
         await asyncio.gather(*(self._release(s) for s in slots), return_exceptions=True)
+        warm = [sb for pool in self.warm.values() for sb in pool] + list(self.running_warm.values())
+        self.warm.clear()
+        await asyncio.gather(*(self._destroy_warm(sb) for sb in warm), return_exceptions=True)
         for h in list(self.holds.values()):
             self._drop_hold(h)
         if self.tasks:
@@ -441,6 +555,11 @@ def make_netns(path: str) -> None:
     t.join()
     if err:
         raise err[0]
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
 
 
 def _dir_problem(root: str, path: str) -> str:

@@ -1,0 +1,149 @@
+"""Scale by simulation: many simulated nodes (node-protocol stand-ins on the real bus, see
+tests/simnode.py) and hundreds of thousands of live sandboxes in the scheduler's state; measures
+placements per second through create_batch, the scheduler's memory, and fairness between two
+jobs placing at once.
+
+    .venv/bin/python -m bench.scheduler_scale [--nodes 1000] [--live 380000] [--batch 5000] [--out bench/results]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import nats
+
+from corral_common import subjects
+from corral_common.messages import SandboxInfo, encoder
+from corral_sdk.stack import Stack, free_port
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.simnode import SimNode  # noqa: E402
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
+    data = tempfile.mkdtemp(prefix="crl-bench-sched-", dir="/tmp")
+    stack = Stack(data_dir=data, nodes=0, nats_port=free_port(), image_dir=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))
+    await stack.start(timeout=120)
+    sched_pid = stack.proc("scheduler").popen.pid
+    out: dict = {"nodes": n_nodes, "live_sandboxes": live}
+    conns = [await nats.connect(stack.url, pending_size=256 * 1024 * 1024) for _ in range(4)]
+    try:
+        rss0 = rss_mb(sched_pid)
+        # the simulated nodes, each already holding its share of the live sandboxes
+        nodes = []
+        per = live // n_nodes
+        now = time.time()
+        for i in range(n_nodes):
+            n = SimNode(conns[i % len(conns)], f"sim-{i:04d}", cpu=32.0, memory_mb=1_000_000, sandboxes=10_000, cpu_overcommit_max=8.0)
+            for j in range(per):
+                sid = f"sb-{i:04d}{j:08x}"
+                n.sandboxes[sid] = SandboxInfo(id=sid, node=n.name, state="running", substrate="container", image="busybox",
+                                               created_at=now, expires_at=now + 86400, job=f"bg-{j % 20}", cpu=0.05, memory_mb=64)
+            nodes.append(n)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(n.start(interval=2.0) for n in nodes))
+        out["nodes_started_s"] = round(time.perf_counter() - t0, 2)
+        # their sandboxes into the placements KV, which the scheduler watches
+        t0 = time.perf_counter()
+        k = 0
+        for n in nodes:
+            c = conns[k % len(conns)]
+            for info in n.sandboxes.values():
+                await c.publish(f"$KV.{subjects.KV_PLACEMENTS}.{info.id}", encoder.encode(info))
+                k += 1
+                if k % 20000 == 0:
+                    await c.flush()
+        for c in conns:
+            await c.flush()
+        out["live_written_s"] = round(time.perf_counter() - t0, 2)
+        await asyncio.sleep(5)  # let the watcher take it all in
+        out["scheduler_rss_mb"] = {"empty": round(rss0, 1), "with_live_state": round(rss_mb(sched_pid), 1)}
+        # placements: two jobs placing batches at once
+        nc = conns[0]
+        rates = []
+        per_job = {"job-a": 0, "job-b": 0}
+        failed = 0
+        for r in range(rounds):
+            async def one(job: str):
+                body = json.dumps({"spec": {"image": "busybox", "cpu": 0.01, "memory_mb": 16, "job": job}, "count": batch}).encode()
+                msg = await nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=600)
+                return job, json.loads(msg.data)
+
+            t0 = time.perf_counter()
+            res = await asyncio.gather(one("job-a"), one("job-b"))
+            dt = time.perf_counter() - t0
+            placed = 0
+            for job, rep in res:
+                got = len(rep.get("sandboxes", []))
+                per_job[job] += got
+                placed += got
+                failed += len(rep.get("failed", [])) if rep.get("ok") else batch
+            rates.append(placed / dt)
+        out["placements_per_s"] = {"rounds": [round(x) for x in rates], "median": round(sorted(rates)[len(rates) // 2])}
+        out["fairness"] = {"placed_by_job": per_job, "ratio": round(min(per_job.values()) / max(1, max(per_job.values())), 3), "failed": failed}
+        out["scheduler_rss_mb"]["after"] = round(rss_mb(sched_pid), 1)
+        out["goal"] = {"what": "at least 10,000 placements/s", "met": out["placements_per_s"]["median"] >= 10_000}
+        for n in nodes:
+            await n.stop(forget=False)
+    finally:
+        for c in conns:
+            await c.close()
+        await stack.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    return out
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(range(len(res["placements_per_s"]["rounds"])), res["placements_per_s"]["rounds"], color="#57a")
+    a.axhline(10_000, color="#c55", ls="--", label="goal")
+    a.set_title(f"placements/s ({res['nodes']} sim nodes, {res['live_sandboxes']:,} live)")
+    a.set_xlabel("round")
+    a.legend()
+    m = res["scheduler_rss_mb"]
+    b.bar(list(m), list(m.values()), color="#5a5")
+    b.set_title("scheduler RSS (MiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--live", type=int, default=380_000)
+    ap.add_argument("--batch", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+    res = asyncio.run(run(args.nodes, args.live, args.batch, args.rounds))
+    res["machine"] = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scheduler_scale.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    plot(res, os.path.join(args.out, "scheduler_scale.png"))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
