@@ -657,6 +657,9 @@ class Bench:
             "trace_demand_misses": m("lazy_trace", "chunk_misses"),
             "trace_joins": m("lazy_trace", "chunk_joins"),
             "trace_prefetched_chunks": m("lazy_trace", "prefetched_chunks"),
+            # the cold task is a chain of demand misses: its exec time per miss approximates one
+            # chunk's fetch latency (store get + verify + cache write + FUSE round trip)
+            "lazy_exec_ms_per_demand_miss": med([x["exec_ms"] / x["chunk_misses"] for x in s.get("lazy", []) if x.get("chunk_misses")]),
         }
         fe = summ["first_exec_ms"]
         for v in ("lazy", "lazy_trace", "docker"):

@@ -409,7 +409,20 @@ class ContainerSubstrate(Substrate):
         assert isinstance(sb, ContainerSandbox)
         if sb.paused:
             return
-        await self._runc_simple("pause", sb.id)
+        # the v1 freezer gives up ("unable to freeze") when tasks keep forking or sit in the
+        # kernel on a loaded host; thaw and try again a few times before reporting it
+        for attempt in range(4):
+            try:
+                await self._runc_simple("pause", sb.id)
+                break
+            except Internal:
+                if attempt == 3:
+                    raise
+                try:
+                    await self._runc_simple("resume", sb.id)
+                except Internal:
+                    pass  # it was not left frozen
+                await asyncio.sleep(0.05 * (attempt + 1))
         sb.paused = True
 
     async def resume(self, sb: Sandbox) -> None:
