@@ -16,7 +16,8 @@ one node-agent), everything on this machine.
             alternating rounds. The node-agent's AuditLog has an `enabled` flag but no CLI switch,
             so "off" runs the node-agent through a launcher that turns `AuditLog.emit` into a
             no-op (= enabled False: the AuditEvent is still built, nothing is queued, published or
-            ingested). The monitor keeps running in both modes.
+            ingested). A third mode, audit on with the monitor stopped, separates the node-side
+            cost from the monitor competing for this machine's two cores.
 
 Results: <out>/monitor_ingest.json and <out>/monitor_ingest.png.
 
@@ -86,6 +87,12 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+def _series(url: str, name: str, result: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    m = re.search(rf'^{re.escape(name)}{{result="{result}"}} ([0-9.e+-]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def machine() -> dict[str, Any]:
     import chdb
 
@@ -101,7 +108,7 @@ def machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- publishing
 
 
-def make_batch(job: str, start: int, n: int, bad_every: int = 1000, sandboxes: int = 512) -> bytes:
+def make_batch(job: str, start: int, n: int, bad_every: int = 1000, sandboxes: int = 512, unique: bool = False) -> bytes:
     import msgspec
 
     from corral_common.audit import AuditBatch, AuditEvent, event_id
@@ -113,17 +120,19 @@ def make_batch(job: str, start: int, n: int, bad_every: int = 1000, sandboxes: i
             cmd = BAD_CMDS[i % len(BAD_CMDS)]
         else:
             cmd = BENIGN_CMDS[i % len(BENIGN_CMDS)].format(n=i % 97)
+        if unique:  # defeat the monitor's per-command verdict cache: every command is new
+            cmd += f" # {job}-{i}"
         evs.append(AuditEvent(id=f"{job}-{i:09d}-{event_id()}", ts=now, node="bench-node", sandbox=f"sb-{job}-{i % sandboxes}",
                               kind="exec", job=job, cmd=cmd, cwd="/repo", exit_code=1 if i % 3 == 0 else 0, duration_ms=1.5 + (i % 50),
                               stdout_bytes=120, labels={"bench": "1"}))
     return msgspec.json.encode(AuditBatch(events=evs))
 
 
-async def publish_backlog(js, job: str, total: int, per_msg: int = 256) -> float:
+async def publish_backlog(js, job: str, total: int, per_msg: int = 256, unique: bool = False) -> float:
     t0 = time.perf_counter()
     futs = []
     for start in range(0, total, per_msg):
-        futs.append(js.publish(f"corral.audit.bench-node.sb-{job}", make_batch(job, start, min(per_msg, total - start))))
+        futs.append(js.publish(f"corral.audit.bench-node.sb-{job}", make_batch(job, start, min(per_msg, total - start), unique=unique)))
         if len(futs) >= 64:
             await asyncio.gather(*futs)
             futs = []
@@ -179,13 +188,13 @@ async def restart_monitor(stack, nc, **opts: str | None) -> str:
 # ----------------------------------------------------------------------------- 1. ingest
 
 
-async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: int) -> list[dict[str, Any]]:
+async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: int, unique: bool = False) -> list[dict[str, Any]]:
     js = nc.jetstream()
     out = []
     for w in workers_list:
         job = f"ingest-w{w}-{int(time.time())}"
         await stop_proc(stack, "monitor")
-        pub_s = await publish_backlog(js, job, events)
+        pub_s = await publish_backlog(js, job, events, unique=unique)
         log(f"ingest: backlog of {events} events published in {pub_s:.2f}s; starting the monitor with --workers {w}")
         t_start = time.perf_counter()
         p = stack.proc("monitor")
@@ -220,13 +229,15 @@ async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: i
         insert_sum = metric(url, "corral_monitor_insert_seconds_sum")
         rules_sum = metric(url, "corral_monitor_rules_seconds_sum")
         dur = last - first
-        res = {"workers": w, "events": events, "batch_messages": batch, "events_per_message": 256,
+        hits = _series(url, "corral_monitor_rule_cache_total", "hit")
+        res = {"workers": w, "events": events, "batch_messages": batch, "events_per_message": 256, "unique_commands": unique,
+               "rule_cache_hits": hits,
                "seconds_first_to_last": dur, "events_per_s": events / dur if dur > 0 else None,
                "seconds_including_start": last - t_start, "stored": stored, "distinct": distinct,
                "alerts_raised": alerts, "alerts_suppressed": suppressed,
                "insert_seconds_total": insert_sum, "rules_seconds_total": rules_sum,
                "curve": [(round(t, 3), v) for t, v in samples[:: max(1, len(samples) // 200)]]}
-        log(f"ingest: {w} worker(s): {events} events in {dur:.2f}s = {res['events_per_s']:,.0f} events/s "
+        log(f"ingest{' (unique commands)' if unique else ''}: {w} worker(s): {events} events in {dur:.2f}s = {res['events_per_s']:,.0f} events/s "
             f"(stored {stored}, distinct {distinct}; insert {insert_sum:.2f}s, rules {rules_sum:.2f}s)")
         out.append(res)
     return out
@@ -371,19 +382,43 @@ async def exec_round(client, n: int, warmup: int, conc: int) -> dict[str, Any]:
             "loadavg": os.getloadavg()}
 
 
-async def bench_overhead(stack, client, n: int, rounds: int) -> dict[str, Any]:
-    """Alternating rounds (on/off, then off/on, ...) so drifting machine load hits both modes;
-    the verdict uses all samples of a mode pooled."""
-    res: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, Any]:
+    """Three modes, in alternating order each round so drifting machine load hits all of them:
+    `off` (AuditLog.emit is a no-op), `on` (the default: events published and ingested by the
+    monitor on this same 2-core machine), `on_nomonitor` (events published to JetStream, monitor
+    stopped: the node-side cost alone). Verdict: pooled p50 of `on` vs `off`."""
+    modes = ["on", "off", "on_nomonitor"]
+    res: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(rounds):
-        for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-            await restart_node(stack, client, audit=(mode == "on"))
+        order = modes[r % 3:] + modes[:r % 3]
+        for mode in order:
+            await restart_node(stack, client, audit=(mode != "off"))
+            mon = stack.proc("monitor")
+            if mode == "on_nomonitor":
+                await stop_proc(stack, "monitor")
+            elif mon.popen.poll() is not None:
+                stack.restart("monitor")
+                await wait_query(nc)
+            mon = stack.proc("monitor")
+            cpu0 = proc_cpu_s(mon.popen.pid) if mon.popen.poll() is None else None
+            t0 = time.perf_counter()
             x = await exec_round(client, n, warmup=30, conc=8)
+            if cpu0 is not None and mon.popen.poll() is None:
+                x["monitor_cpu_share"] = (proc_cpu_s(mon.popen.pid) - cpu0) / (time.perf_counter() - t0)
             res[mode].append(x)
             log(f"overhead: round {r + 1} audit {mode}: exec p50 {x['sequential_ms']['p50']:.3f} ms, "
                 f"p99 {x['sequential_ms']['p99']:.3f} ms, {x['concurrent_execs_per_s']:,.0f} execs/s (8 callers), "
-                f"load {x['loadavg'][0]:.1f}")
+                f"monitor cpu {x.get('monitor_cpu_share', 0) * 100:.0f}%, load {x['loadavg'][0]:.1f}")
     await restart_node(stack, client, audit=True)
+    if stack.proc("monitor").popen.poll() is not None:
+        stack.restart("monitor")
+        await wait_query(nc)
     pooled = {m: summary([v for x in xs for v in x["samples_ms"]]) for m, xs in res.items()}
     for xs in res.values():
         for x in xs:
@@ -392,11 +427,12 @@ async def bench_overhead(stack, client, n: int, rounds: int) -> dict[str, Any]:
     p99 = {m: pooled[m]["p99"] for m in res}
     mean = {m: pooled[m]["mean"] for m in res}
     thr = {m: statistics.median(x["concurrent_execs_per_s"] for x in v) for m, v in res.items()}
-    round_ratio = statistics.median(a["sequential_ms"]["p50"] / b["sequential_ms"]["p50"] for a, b in zip(res["on"], res["off"])) - 1
     return {"rounds": res, "pooled_ms": pooled, "p50_ms": p50, "p99_ms": p99, "mean_ms": mean, "execs_per_s": thr,
             "p50_overhead": p50["on"] / p50["off"] - 1, "p99_overhead": p99["on"] / p99["off"] - 1,
-            "mean_overhead": mean["on"] / mean["off"] - 1, "median_round_p50_overhead": round_ratio,
-            "throughput_overhead": 1 - thr["on"] / thr["off"], "n_per_round": n}
+            "mean_overhead": mean["on"] / mean["off"] - 1,
+            "p50_overhead_node_side": p50["on_nomonitor"] / p50["off"] - 1,
+            "throughput_overhead": 1 - thr["on"] / thr["off"],
+            "throughput_overhead_node_side": 1 - thr["on_nomonitor"] / thr["off"], "n_per_round": n}
 
 
 # ----------------------------------------------------------------------------- plot
@@ -410,9 +446,12 @@ def plot(res: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     ax = axes[0]
-    ing = res.get("ingest", [])
+    ing = list(res.get("ingest", []))
+    if res.get("ingest_unique_commands"):
+        ing.append(res["ingest_unique_commands"])
     if ing:
-        labels = [f"{x['workers']} worker{'s' if x['workers'] > 1 else ''}" for x in ing]
+        labels = [f"{x['workers']} worker{'s' if x['workers'] > 1 else ''}" + ("\nunique cmds" if x.get("unique_commands") else "")
+                  for x in ing]
         vals = [x["events_per_s"] or 0 for x in ing]
         ax.bar(labels, vals, color="#4c72b0")
         ax.axhline(GOALS["ingest_events_per_s"]["goal"], color="red", ls="--", label="goal 100k/s")
@@ -445,12 +484,15 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax = axes[2]
     ov = res.get("overhead")
     if ov:
-        modes = ["off", "on"]
-        xs = range(2)
+        modes = [m for m in ("off", "on_nomonitor", "on") if m in ov["p50_ms"]]
+        xs = range(len(modes))
         ax.bar([x - 0.2 for x in xs], [ov["p50_ms"][m] for m in modes], width=0.4, label="p50", color="#4c72b0")
         ax.bar([x + 0.2 for x in xs], [ov["p99_ms"][m] for m in modes], width=0.4, label="p99", color="#dd8452")
+        for x, m in zip(xs, modes):
+            ax.text(x - 0.2, ov["p50_ms"][m], f"{ov['p50_ms'][m]:.2f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels(["audit off", "audit on"])
+        ax.set_xticklabels({"off": "audit off", "on_nomonitor": "audit on,\nmonitor stopped", "on": "audit on,\nmonitor ingesting"}[m]
+                           for m in modes)
         ax.set_ylabel("ms per sb.exec(['true']) (sequential)")
         ax.set_title(f"audit overhead: p50 {ov['p50_overhead'] * 100:+.1f}%, p99 {ov['p99_overhead'] * 100:+.1f}%")
         ax.legend()
@@ -494,7 +536,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res["alerts"]["loaded"] = await alert_latency(nc, args.alerts, rate=20, load_eps=args.load_eps)
             res["alerts"]["real_exec"] = await alert_latency_real(client, args.real)
         if "overhead" in args.only:
-            res["overhead"] = await bench_overhead(stack, client, args.execs, args.rounds)
+            res["overhead"] = await bench_overhead(stack, client, nc, args.execs, args.rounds)
+        if "ingest_unique" in args.only:
+            # every command distinct: the rules' per-command cache never hits (worst case for the rules)
+            runs = await bench_ingest(stack, nc, args.events, [args.workers[0]] * args.repeat, args.batch, unique=True)
+            mine = sorted(runs, key=lambda r: r["events_per_s"] or 0)
+            med = dict(mine[len(mine) // 2])
+            med.pop("curve", None)
+            med["runs_events_per_s"] = [r["events_per_s"] for r in mine]
+            res["ingest_unique_commands"] = med
+            await restart_monitor(stack, nc, workers="1", batch="256")
     finally:
         await client.close()
         await nc.close()
@@ -527,14 +578,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-eps", type=float, default=20_000, help="background events/s for the loaded latency run")
     ap.add_argument("--real", type=int, default=30, help="real-sandbox alert latency samples")
     ap.add_argument("--execs", type=int, default=300, help="execs per overhead round")
-    ap.add_argument("--rounds", type=int, default=4, help="overhead rounds (each runs audit on and off)")
-    ap.add_argument("--only", nargs="+", default=["ingest", "alerts", "overhead"], choices=["ingest", "alerts", "overhead"])
+    ap.add_argument("--rounds", type=int, default=6, help="overhead rounds (each runs every mode once)")
+    ap.add_argument("--only", nargs="+", default=["ingest", "ingest_unique", "alerts", "overhead"], choices=["ingest", "ingest_unique", "alerts", "overhead"])
     ap.add_argument("--keep", action="store_true", help="keep the stack's data dir (logs) for inspection")
     ap.add_argument("--image-dir", default=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     res = asyncio.run(run(args))
     jpath = os.path.join(args.out, "monitor_ingest.json")
+    if set(args.only) != {"ingest", "ingest_unique", "alerts", "overhead"} and os.path.exists(jpath):
+        # a partial run updates its sections of the previous results
+        with open(jpath) as f:
+            prev = json.load(f)
+        prev.update({k: v for k, v in res.items() if k not in ("verdict",)})
+        prev.setdefault("verdict", {}).update(res.get("verdict", {}))
+        prev.setdefault("partial_updates", []).append({"sections": args.only, "at": res["started"], "machine": res["machine"]})
+        res = prev
     with open(jpath, "w") as f:
         json.dump(res, f, indent=2, default=str)
     ppath = os.path.join(args.out, "monitor_ingest.png")

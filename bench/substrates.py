@@ -275,6 +275,27 @@ async def async_throughput(make_cycle, concurrency: int, cycles: int) -> dict[st
             "latency": {k: v for k, v in stats(lat).items() if k != "samples_ms"}, "errors": errors[:3]}
 
 
+def function_tiers(metrics_url: str) -> dict[str, int]:
+    """How many function calls each tier has served so far (corral_function_calls_total)."""
+    import urllib.request
+
+    out = {"warm": 0, "slot": 0, "cold": 0}
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except Exception:  # noqa: BLE001
+        return out
+    for line in text.splitlines():
+        if line.startswith("corral_function_calls_total{"):
+            for tier in out:
+                if f'tier="{tier}"' in line:
+                    out[tier] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def tier_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
 def node_histogram(metrics_url: str, name: str, substrate: str) -> dict[str, Any]:
     """Mean of a node-agent histogram for one substrate, from its Prometheus endpoint."""
     import urllib.request
@@ -329,20 +350,29 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
         # ---- one-shot, interleaved rounds
         log(f"one-shot latency: {args.n} interleaved rounds")
         oneshot: dict[str, list[float]] = {"function": [], "runc": [], "bwrap": []}
+        by_tier: dict[str, list[float]] = {"warm": [], "slot": [], "cold": []}
         if docker_image:
             oneshot["docker_run"] = []
         calls = {"runc": base.runc_run, "bwrap": base.bwrap, "docker_run": base.docker_run}
         rng = random.Random(7)
+        tiers0 = function_tiers(node_metrics)
         for _ in range(args.n):
             order = list(oneshot)
             rng.shuffle(order)
             for name in order:
                 if name == "function":
-                    oneshot[name].append(await fn_call())
+                    before = function_tiers(node_metrics)  # (scraped outside the timed call)
+                    ms = await fn_call()
+                    oneshot[name].append(ms)
+                    d = tier_delta(before, function_tiers(node_metrics))
+                    tier = next((k for k, v in d.items() if v), "?")
+                    by_tier.setdefault(tier, []).append(ms)
                 else:
                     oneshot[name].append(await loop.run_in_executor(None, calls[name]))
         systems["function"] = {"what": "client.run(['/bin/true']) on substrate function (SDK -> scheduler -> node)",
-                               "call_interleaved": stats(oneshot["function"])}
+                               "call_interleaved": stats(oneshot["function"]),
+                               "tiers_interleaved": tier_delta(tiers0, function_tiers(node_metrics)),
+                               "call_interleaved_by_tier": {k: stats(v) for k, v in by_tier.items() if v}}
         systems["runc"] = {"what": "runc run (foreground) of a `runc spec` bundle, root = busybox rootfs, /bin/true",
                            "run_interleaved": stats(oneshot["runc"])}
         systems["bwrap"] = {"what": "bwrap --unshare-all --ro-bind ROOTFS / --proc /proc --dev /dev /bin/true",
@@ -354,7 +384,9 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
         # ---- back to back
         log(f"one-shot latency: {args.n} back-to-back calls each of function and runc run")
         await asyncio.sleep(1)
+        tiers0 = function_tiers(node_metrics)
         systems["function"]["call_back_to_back"] = stats([await fn_call() for _ in range(args.n)])
+        systems["function"]["tiers_back_to_back"] = tier_delta(tiers0, function_tiers(node_metrics))
         await asyncio.sleep(1)
         systems["runc"]["run_back_to_back"] = stats([await loop.run_in_executor(None, base.runc_run) for _ in range(args.n)])
         systems["function"]["node_teardown_after_reply"] = node_histogram(node_metrics, "corral_sandbox_destroy_seconds", "function")
@@ -401,7 +433,9 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
                     await sb.destroy()
             return go
 
+        tiers0 = function_tiers(node_metrics)
         systems["function"]["throughput"] = await async_throughput(fn_cycle, c, cycles)
+        systems["function"]["tiers_throughput"] = tier_delta(tiers0, function_tiers(node_metrics))
         systems["container"]["throughput"] = await async_throughput(cycle_of("container", "busybox"), c, cycles)
         if docker_image:
             systems["docker"]["throughput"] = await async_throughput(cycle_of("docker", docker_image), c, max(8, cycles // 3))
@@ -459,6 +493,8 @@ def plot(results: dict[str, Any], path: str) -> None:
     bars: list[tuple[str, dict, str]] = []
     for label, sysname, key, color in (
         ("function call", "function", "call_interleaved", "#2b7bba"),
+        ("function:\nwarm hits", "function", ("call_interleaved_by_tier", "warm"), "#5d9fd3"),
+        ("function:\nslot (runc)", "function", ("call_interleaved_by_tier", "slot"), "#5d9fd3"),
         ("function call\n(back to back)", "function", "call_back_to_back", "#7fb3dd"),
         ("runc run", "runc", "run_interleaved", "#e08a2c"),
         ("bwrap", "bwrap", "run_interleaved", "#9b59b6"),
@@ -470,10 +506,12 @@ def plot(results: dict[str, Any], path: str) -> None:
         ("docker\nexec", "docker", "exec", "#2e6b2a"),
         ("docker\ndestroy", "docker", "destroy", "#2e6b2a"),
     ):
-        st = s.get(sysname, {}).get(key)
+        st = s.get(sysname, {})
+        for k in (key if isinstance(key, tuple) else (key,)):
+            st = st.get(k, {}) if isinstance(st, dict) else {}
         if st and st.get("n"):
             bars.append((label, st, color))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(16, 6), gridspec_kw={"width_ratios": [3, 1.4]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(18, 6), gridspec_kw={"width_ratios": [3.4, 1.3]})
     xs = range(len(bars))
     med = [b[1]["median_ms"] for b in bars]
     p99 = [b[1]["p99_ms"] for b in bars]
@@ -561,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         log(f"plot failed: {e}")
     s = results["systems"]
+    for k in ("tiers_interleaved", "tiers_back_to_back", "tiers_throughput"):
+        if k in s.get("function", {}):
+            log(f"function   {k:22s} {s['function'][k]}")
     for name, v in s.items():
         for k, st in v.items():
             if isinstance(st, dict) and "median_ms" in st:

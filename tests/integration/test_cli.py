@@ -46,3 +46,8 @@ async def test_image_and_traj_commands(stack, client, tmp_path):
     assert p.returncode == 1 and "not_found" in p.stderr
     await sb.destroy()
     assert "freed" in corral(stack, "image", "rm", "cli-img").stdout
+
+
+async def test_run_one_shot(stack):
+    p = corral(stack, "run", "echo one-shot; exit 4", check=False)
+    assert p.returncode == 4 and "one-shot" in p.stdout, (p.stdout, p.stderr)

@@ -49,12 +49,13 @@ def up(
     data_dir: str = typer.Option(None, help="state and logs (default $CORRAL_STATE_DIR or /var/lib/corral)"),
     image_dir: str = typer.Option(None, help="image store (default <data-dir>/images)"),
     metrics_port: int = typer.Option(0, help="first metrics port (0: free ports)"),
+    docker: bool = typer.Option(False, "--docker", help="also offer the docker substrate (needs a running dockerd)"),
 ) -> None:
     """Start NATS, the scheduler and node-agents on this machine; stop them all on SIGINT/SIGTERM."""
     from .stack import Stack
 
     stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats,
-                  image_dir=image_dir, metrics_port=metrics_port)
+                  image_dir=image_dir, metrics_port=metrics_port, docker=docker)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -356,6 +357,11 @@ def demo(
 
 from .cli_monitor import register as _register_monitor  # noqa: E402  (alerts, report, monitor)
 _register_monitor(app, PASSTHROUGH)
+
+from .cli_substrates import register as _register_substrates  # noqa: E402  (run, image export/import-docker)
+
+_register_substrates(app, image_app)
+
 
 def main() -> None:
     app()

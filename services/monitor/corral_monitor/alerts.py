@@ -8,7 +8,11 @@ alerts table at start.
 
 Alert ids are deterministic (rule + the first evidence event's id), which makes re-raising after
 a crash harmless: JetStream drops a re-published alert by its `Nats-Msg-Id` within the stream's
-duplicate window, and the ClickHouse insert skips ids already stored."""
+duplicate window (a core NATS subscriber may see it twice, with the same id: the SDK drops it),
+and the ClickHouse insert skips ids already stored.
+
+Alerts are published as soon as the rules have run, before the batch's events are inserted, so
+ClickHouse's insert time is not part of the alert latency; their rows are stored after the events."""
 from __future__ import annotations
 
 import asyncio
@@ -81,10 +85,11 @@ class AlertManager:
         cutoff = now - self.window_s
         self.last = {k: v for k, v in self.last.items() if v >= cutoff}
 
-    async def emit(self, alerts: list[Alert], maybe_seen: bool = False) -> list[Alert]:
-        """Publish then store. `maybe_seen` (the events were delivered before: a crash or a
-        timeout): skip alerts whose id is already stored, they were published then.
-        Returns the alerts actually emitted. Raises if publishing fails (the caller does not ack)."""
+    async def publish(self, alerts: list[Alert], maybe_seen: bool = False) -> list[Alert]:
+        """Publish on the bus (JetStream, deduplicated by `Nats-Msg-Id`). `maybe_seen` (the events
+        were delivered before: a crash or an ack timeout): skip alerts already stored, they were
+        published then. Returns the alerts published; raises if publishing fails (the caller does
+        not ack, the batch comes back)."""
         if not alerts:
             return []
         t0 = time.perf_counter()
@@ -96,14 +101,24 @@ class AlertManager:
         if self.js is not None:
             await asyncio.gather(*(self.js.publish(subjects.alert(a.severity, a.rule), encoder.encode(a),
                                                    headers={"Nats-Msg-Id": a.id}, timeout=5) for a in alerts))
-        rows = [AlertRow(id=a.id, ts=a.ts, event_ts=a.evidence[0].ts if a.evidence else a.ts, rule=a.rule,
-                         severity=a.severity, sandbox=a.sandbox, node=a.node, job=a.job, message=a.message,
-                         evidence_ids=[e.id for e in a.evidence], evidence=encoder.encode(a.evidence).decode())
-                for a in alerts]
-        await asyncio.to_thread(self.store.insert, "alerts", rows)
         for a in alerts:
             ALERTS.labels(a.rule, a.severity).inc()
             log.info("alert", extra={"fields": {"rule": a.rule, "severity": a.severity, "sandbox": a.sandbox, "job": a.job,
                                                 "alert": a.id, "message": a.message[:300]}})
         PUBLISH_SECONDS.observe(time.perf_counter() - t0)
         return alerts
+
+    async def store_alerts(self, alerts: list[Alert]) -> None:
+        if not alerts:
+            return
+        rows = [AlertRow(id=a.id, ts=a.ts, event_ts=a.evidence[0].ts if a.evidence else a.ts, rule=a.rule,
+                         severity=a.severity, sandbox=a.sandbox, node=a.node, job=a.job, message=a.message,
+                         evidence_ids=[e.id for e in a.evidence], evidence=encoder.encode(a.evidence).decode())
+                for a in alerts]
+        await asyncio.to_thread(self.store.insert, "alerts", rows)
+
+    async def emit(self, alerts: list[Alert], maybe_seen: bool = False) -> list[Alert]:
+        """Publish, then store."""
+        out = await self.publish(alerts, maybe_seen)
+        await self.store_alerts(out)
+        return out

@@ -1,12 +1,16 @@
 """Durable JetStream pull consumers that batch the audit stream (CORRAL_AUDIT) and the lifecycle
 stream (CORRAL_EVENTS) into ClickHouse.
 
-For each fetched batch: decode (malformed messages, and malformed events inside an otherwise good
-batch, are counted and dead-lettered to `corral.monitor.deadletter`, then acked: never fatal),
-drop duplicates, insert, run the detection rules, publish their alerts, and only then ack. A
-crash anywhere before the ack means JetStream redelivers the batch; a redelivered message
-(`num_delivered > 1`) has its ids checked against each table before inserting, so a row is never
-stored twice, and alert ids are deterministic, so an alert is not raised twice either."""
+For each fetched batch (collected for up to `linger_s`): decode (malformed messages, and malformed
+events inside an otherwise good batch, are counted and dead-lettered to `corral.monitor.deadletter`,
+then acked: never fatal), drop duplicates, run the detection rules and publish their alerts, insert
+the events, store the alerts, and only then ack. A crash anywhere before the ack means JetStream
+redelivers the batch; a redelivered message (`num_delivered > 1`) has its ids checked against each
+table before inserting, so a row is never stored twice, and alert ids are deterministic, so an
+alert is not stored twice and JetStream drops its re-publication.
+
+A message that keeps failing for a reason other than an outage is retried alone and, after
+`poison_after` deliveries, dead-lettered (reason "unprocessable") so it cannot block the stream."""
 from __future__ import annotations
 
 import asyncio
@@ -324,19 +328,21 @@ def exec_row(ev: AuditEvent) -> ExecRow:
                    timed_out=ev.timed_out, oom_killed=ev.detail.get("oom_killed") == "1", labels=ev.labels)
 
 
-OnEvents = Callable[[list[AuditEvent], bool], Awaitable[None]]
+OnEvents = Callable[[list[AuditEvent], bool], Awaitable[list[Any]]]
 
 
 class AuditIngest:
-    """Handler for CORRAL_AUDIT batches. `on_events(events, maybe_seen)` runs the rules (and
-    publishes alerts) before the batch is acked."""
+    """Handler for CORRAL_AUDIT batches: decode, dedup, `on_events(events, maybe_seen)` (the rules;
+    publishes alerts, returns them), insert, `store_alerts(alerts)`; the batch is acked after."""
 
     stream = "CORRAL_AUDIT"
 
-    def __init__(self, store: Store, dead: DeadLetters, on_events: OnEvents | None = None, fault: Fault | None = None):
+    def __init__(self, store: Store, dead: DeadLetters, on_events: OnEvents | None = None, fault: Fault | None = None,
+                 store_alerts: Callable[[list[Any]], Awaitable[None]] | None = None):
         self.store = store
         self.dead = dead
         self.on_events = on_events
+        self.store_alerts = store_alerts
         self.recent = RecentIds()
         self.fault = fault or Fault()
 
@@ -401,17 +407,19 @@ class AuditIngest:
                 exec_repair = [e for e in events if e.id in in_audit and e.kind == "exec" and e.id not in in_exec]
         if dups:
             DUPLICATES.labels(self.stream).inc(dups)
+        # rules first: alerts go out without waiting for the insert (stored after it)
+        alerts = await self.on_events(events, bool(maybe_seen)) if self.on_events is not None else []
         if exec_repair:
             await self._insert("exec_log", [exec_row(e) for e in exec_repair])
         if audit_new:
             await self._insert("audit_events", audit_new)
             ROWS.labels("exec_log").inc(sum(1 for e in audit_new if e.kind == "exec"))
             self.fault.hit("crash-after-insert")
+        if alerts and self.store_alerts is not None:
+            await self.store_alerts(alerts)
         recent.add_all([e.id for e in events])
         EVENTS.labels(self.stream).inc(len(audit_new))
         LAG.labels(self.stream).set(max(0.0, time.time() - max(e.ts for e in events)))
-        if self.on_events is not None:
-            await self.on_events(events, bool(maybe_seen))
 
     async def _insert(self, table: str, rows: list) -> None:
         t0 = time.perf_counter()

@@ -129,10 +129,16 @@ class Detector:
         RULE_SECONDS.observe(time.perf_counter() - t0)
         return out
 
-    async def on_events(self, events: list[AuditEvent], maybe_seen: bool) -> None:
+    async def on_events(self, events: list[AuditEvent], maybe_seen: bool) -> list[Alert]:
+        """Run the rules and publish their alerts (before the events are inserted); returns
+        what to store once they are (`store_alerts`)."""
         alerts = self.evaluate(events)
-        if alerts:
-            await self.alerts.emit(alerts, maybe_seen=maybe_seen)
+        if not alerts:
+            return []
+        return await self.alerts.publish(alerts, maybe_seen=maybe_seen)
+
+    async def store_alerts(self, alerts: list[Alert]) -> None:
+        await self.alerts.store_alerts(alerts)
 
     def on_lifecycle(self, rows: list[SandboxEventRow], events: list[Any]) -> None:
         """Learn each sandbox's protected paths and canaries when its lifecycle events carry them

@@ -73,7 +73,7 @@ class Monitor:
         ctx = rulereg.RuleContext(cfg.protected_paths, cfg.canaries)
         detector = Detector(rulereg.build(ctx, cfg.rules or None), rulereg.build_sql(cfg.rules or None), alerts, store, ctx)
         audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, "corral.audit.>",
-                             AuditIngest(store, dead, detector.on_events, Fault(cfg.fault)),
+                             AuditIngest(store, dead, detector.on_events, Fault(cfg.fault), detector.store_alerts),
                              batch=cfg.batch, workers=cfg.workers, ack_wait_s=cfg.ack_wait_s, linger_s=cfg.linger_ms / 1000,
                              on_poison=lambda m, err: dead.put("CORRAL_AUDIT", m, m.data, "unprocessable", err))
         events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, "corral.events.>",

@@ -601,7 +601,7 @@ class DockerSubstrate(Substrate):
         import of the archive, so the snapshot is a Docker image and a layered corral image."""
         from aiodocker.exceptions import DockerError
 
-        from corral_common.layers import ImageManifest, LayerManifest
+        from corral_common.layers import ImageManifest
 
         assert isinstance(sb, DockerSandbox)
         check_image_name(name)
@@ -631,7 +631,7 @@ class DockerSubstrate(Substrate):
                 os.unlink(path)
         image = msgspec.convert(r["image"], ImageManifest)
         top = await self.layers.catalog.layer(image.layers[-1])
-        return image, msgspec.convert(msgspec.to_builtins(top), LayerManifest), int(r.get("uploaded_bytes", 0))
+        return image, top, int(r.get("uploaded_bytes", 0))
 
     # ------------------------------------------------------------------ crash recovery, shutdown
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import os
+import platform
 import secrets
 import select
 import shutil
@@ -46,7 +46,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from corral_common import linux
+import msgspec
+
+from corral_common import linux, metrics
 from corral_common.errors import Internal, InvalidRequest, Unavailable
 from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
@@ -58,10 +60,17 @@ from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed,
 
 log = logging.getLogger("corral.node.function")
 
+CALLS = metrics.counter("corral_function_calls_total", "Function calls by the tier that served them: warm (a ready "
+                        "sandbox), slot (runc in a prepared root) or cold (root prepared during the call)", ("node", "tier"))
+
 MS_REMOUNT = 32
 CLONE_NEWNET = 0x40000000
 ID_PREFIX = "fn-"
-WARM_QUIET_S = 0.1  # make a warm sandbox only after this long without a call starting
+NATIVE_ARCHES = {
+    "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+    "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+}
+WARM_QUIET_S = 0.25  # make a warm sandbox only after this long without a call starting (and none tearing down)
 
 
 @dataclass
@@ -110,6 +119,7 @@ class FunctionSubstrate(ContainerSubstrate):
         self.running_warm: dict[str, ContainerSandbox] = {}
         self.last_call = 0.0
         self.inflight = 0
+        self.tearing = 0
         self.max_images = max_images
         self.slot_idle_s = slot_idle_s
         self.slots: dict[str, list[Slot]] = {}
@@ -159,6 +169,7 @@ class FunctionSubstrate(ContainerSubstrate):
             self.disk_hint[spec.image] = spec.disk_mb
             sb = await self._take_warm(spec, wanted)
             if sb is not None:
+                CALLS.labels(self.node, "warm").inc()
                 info.id = sb.id
                 self.running_warm[sb.id] = sb
                 try:
@@ -204,8 +215,11 @@ class FunctionSubstrate(ContainerSubstrate):
         for ns in cfg["linux"]["namespaces"]:
             if ns["type"] == "network":
                 ns["path"] = f"{sdir}/netns"
-        with open(f"{sdir}/config.json", "w") as f:
-            json.dump(cfg, f)
+        # only the architectures this kernel can present: the filter (and runc's work compiling
+        # it) shrinks, nothing is allowed that was denied (a foreign arch never matches here)
+        cfg["linux"]["seccomp"]["architectures"] = NATIVE_ARCHES.get(platform.machine(), cfg["linux"]["seccomp"]["architectures"])
+        with open(f"{sdir}/config.json", "wb") as f:
+            f.write(msgspec.json.encode(cfg))
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -280,6 +294,7 @@ class FunctionSubstrate(ContainerSubstrate):
             self._spawn(self._release(cand))  # the image was re-imported since: stale
         if len(self.slots) > self.max_images:
             self._evict_lru()
+        CALLS.labels(self.node, "slot" if slot is not None else "cold").inc()
         if slot is None:
             slot = await self._prepare(image, spec.disk_mb, wanted)
         self._refill(image)
@@ -352,9 +367,11 @@ class FunctionSubstrate(ContainerSubstrate):
         """Remove everything of a slot or finished call: cgroup (and any process in it), runc
         state, mounts, files, layer references. Idempotent."""
         self.running.pop(slot.sid, None)
+        self.tearing += 1
         try:
             await asyncio.to_thread(self._teardown_fn, slot.sid, slot.sdir)
         finally:
+            self.tearing -= 1
             h, slot.hold = slot.hold, None  # type: ignore[assignment]
             if h is not None:
                 h.users -= 1
@@ -455,7 +472,7 @@ class FunctionSubstrate(ContainerSubstrate):
         try:
             while not self.closing and image in self.last_used and len(self.warm.get(image, [])) < self.warm_per_image:
                 quiet = time.monotonic() - self.last_call
-                if self.inflight or quiet < WARM_QUIET_S:
+                if self.inflight or self.tearing or quiet < WARM_QUIET_S:
                     await asyncio.sleep(max(0.01, WARM_QUIET_S - quiet))
                     continue
                 sid = f"{ID_PREFIX}{secrets.token_hex(6)}"
@@ -474,7 +491,11 @@ class FunctionSubstrate(ContainerSubstrate):
 
     async def _destroy_warm(self, sb: ContainerSandbox) -> None:
         self.running_warm.pop(sb.id, None)
-        await ContainerSubstrate.destroy(self, sb)
+        self.tearing += 1
+        try:
+            await ContainerSubstrate.destroy(self, sb)
+        finally:
+            self.tearing -= 1
 
     # ------------------------------------------------------------------ restart, shutdown
 
@@ -506,9 +527,11 @@ class FunctionSubstrate(ContainerSubstrate):
         self.closing = True
         if self.janitor is not None:
             self.janitor.cancel()
-        for t in [*self.filling.values(), *self.warming.values()]:
-            t.cancel()
-        await asyncio.gather(*self.filling.values(), *self.warming.values(), return_exceptions=True)
+        # refills in progress see `closing` and give back what they made; cancelling one half-way
+        # through a create could leave its teardown running past our exit
+        pending = [t for t in (*self.filling.values(), *self.warming.values()) if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=30)
         slots = [s for pool in self.slots.values() for s in pool] + list(self.running.values())
         self.slots.clear()
         await asyncio.gather(*(self._release(s) for s in slots), return_exceptions=True)
