@@ -5,8 +5,11 @@ debian image is debootstrapped once per machine; everything else lives in a fres
 dir (unix socket paths must stay under 108 bytes)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import nats
@@ -26,8 +29,17 @@ def make_stack(nodes: int = 1, **kw) -> Stack:
     return Stack(data_dir=data, nodes=nodes, nats_port=free_port(), image_dir=IMAGE_DIR, **kw)
 
 
+def ensure_builtin_images() -> None:
+    """busybox and debian must exist before the image-cache starts (it imports what is built);
+    debian is debootstrapped once per machine (~1 minute), a no-op afterwards."""
+    for name in ("busybox", "debian"):
+        subprocess.run([sys.executable, "-m", "corral_image_cache.builtin", "build", name, "--root", IMAGE_DIR],
+                       check=True, stdout=subprocess.DEVNULL)
+
+
 @pytest_asyncio.fixture(scope="session")
 async def stack():
+    await asyncio.to_thread(ensure_builtin_images)
     s = make_stack(nodes=1)
     await s.start()
     yield s

@@ -147,7 +147,7 @@ SCENARIOS = [
     # network, killing, Python installation, deletion, bombs
     Scenario(rule="network_egress", cmd="wget -q -O- -T 2 http://example.com/fix.patch"),
     Scenario(rule="network_egress", cmd="nc -w 1 10.1.2.3 80 < /dev/null"),
-    Scenario(rule="network_egress", image="debian", cmd="python3 -c \"import socket; s=socket.socket(); s.settimeout(1); s.connect(('8.8.8.8', 53))\""),
+    Scenario(rule="network_egress", image="debian", cmd="python3 -c \"import socket; s=socket.socket(); s.settimeout(1); s.connect(('192.0.2.1', 53))\""),
     Scenario(rule="kill_foreign_process", cmd="kill -9 1"),
     Scenario(rule="kill_foreign_process", cmd="pkill -f pytest; true"),
     Scenario(rule="site_packages_write", image="debian", cmd="echo 'import os' > /usr/lib/python3/dist-packages/sitecustomize.py"),
