@@ -6,6 +6,8 @@ import asyncio
 import socket
 import struct
 
+from .aio import recv_exactly
+
 
 class InitError(Exception):
     pass
@@ -19,14 +21,10 @@ class Spawned:
         self.pid = pid
 
     async def wait(self) -> int:
-        loop = asyncio.get_running_loop()
-        buf = b""
         try:
-            while len(buf) < 4:
-                chunk = await loop.sock_recv(self.sock, 4 - len(buf))
-                if not chunk:
-                    raise InitError("sandbox helper went away before the process exited")
-                buf += chunk
+            buf = await recv_exactly(self.sock, 4, "sandbox helper")
+        except ConnectionError:
+            raise InitError("sandbox helper went away before the process exited") from None
         finally:
             self.sock.close()
         return struct.unpack("<i", buf)[0]
@@ -56,12 +54,7 @@ async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, s
             # the fds ride on the first message; the payload follows as plain stream bytes
             await _sendmsg(loop, sock, header, [*stdio, *cgroup_fds])
             await loop.sock_sendall(sock, payload)
-            buf = b""
-            while len(buf) < 4:
-                chunk = await loop.sock_recv(sock, 4 - len(buf))
-                if not chunk:
-                    raise InitError("sandbox helper closed the connection")
-                buf += chunk
+            buf = await recv_exactly(sock, 4, "sandbox helper")
     except (OSError, TimeoutError) as e:
         sock.close()
         raise InitError(f"cannot reach the sandbox helper: {e}") from e
@@ -85,12 +78,7 @@ async def ping(ctl_path: str, timeout: float = 30.0) -> None:
         async with asyncio.timeout(timeout):
             await loop.sock_connect(sock, ctl_path)
             await loop.sock_sendall(sock, struct.pack("<I", 4) + b"1\x000\x00")
-            buf = b""
-            while len(buf) < 4:
-                chunk = await loop.sock_recv(sock, 4 - len(buf))
-                if not chunk:
-                    raise InitError("sandbox helper closed the connection")
-                buf += chunk
+            buf = await recv_exactly(sock, 4, "sandbox helper")
     except (OSError, TimeoutError) as e:
         raise InitError(f"sandbox helper did not answer: {e!r}") from e
     finally:

@@ -56,6 +56,7 @@ from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, Sandbox
 
 from .. import cgroups, oci
 from ..layermounts import LayerMounts
+from ..aio import wait_readable as _wait_readable
 from ..output import Capture
 from ..sessions import Session
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
@@ -832,17 +833,6 @@ async def _exit_code(ex, timed_out: bool, wait_s: float = 60.0) -> int:
         delay = min(delay * 2, 0.05)
 
 
-async def _wait_readable(fd: int, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await asyncio.wait_for(fut, max(0.0, timeout))
-        return True
-    except TimeoutError:
-        return False
-    finally:
-        loop.remove_reader(fd)
 
 
 def _start_failed(argv: list[str], cwd: str, text: str, t0: float) -> ExecResult:

@@ -54,6 +54,7 @@ from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, Sandbox
 
 from .. import cgroups, confine, oci
 from ..layermounts import LayerMounts
+from ..aio import wait_readable as _wait_readable
 from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
 from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, wait_pid
@@ -598,17 +599,6 @@ def _dir_problem(root: str, path: str) -> str:
         os.close(rootfd)
 
 
-async def _wait_readable(fd: int, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await asyncio.wait_for(fut, max(0.0, timeout))
-        return True
-    except TimeoutError:
-        return False
-    finally:
-        loop.remove_reader(fd)
 
 
 def _status(si) -> tuple[int, int | None]:
