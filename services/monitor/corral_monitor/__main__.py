@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 
@@ -30,7 +31,7 @@ def main(
     workers: int = typer.Option(1, min=1, max=64, help="concurrent fetch/insert loops on the audit stream"),
     batch: int = typer.Option(256, min=1, max=10_000, help="messages per fetch"),
     ack_wait_s: float = typer.Option(30.0, help="redeliver a batch not acked within this time (e.g. after a crash)"),
-    linger_ms: float = typer.Option(100.0, help="collect messages this long before an insert (fewer, larger inserts; adds to alert latency)"),
+    linger_ms: float = typer.Option(100.0, help="start at most one batch per this many ms per worker (fewer, larger inserts under load)"),
     alert_window_s: float = typer.Option(30.0, help="at most one alert per (rule, sandbox) per this many seconds"),
     protected_path: list[str] = typer.Option([], help="paths protected in every sandbox (alert on any access)"),
     canary: list[str] = typer.Option([], help="decoy paths in every sandbox (alert on any read)"),
@@ -40,6 +41,9 @@ def main(
     log_level: str = typer.Option("INFO"),
 ) -> None:
     logs.setup("monitor", log_level)
+    # the hot path allocates many short-lived containers (events, verdicts): collect young objects
+    # less often (a full collection of the caches at default thresholds costs ~30% of rule time)
+    gc.set_threshold(50_000, 20, 100)
     dsn = clickhouse or os.environ.get("CORRAL_CLICKHOUSE") or f"chdb://{os.path.abspath(config.state_dir(state_dir))}/monitor.db"
     cfg = MonitorConfig(nats_url=config.nats_url(nats), clickhouse=dsn, database=database, metrics_host=metrics_host,
                         metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, linger_ms=linger_ms, alert_window_s=alert_window_s,

@@ -1,10 +1,11 @@
 """Durable JetStream pull consumers that batch the audit stream (CORRAL_AUDIT) and the lifecycle
 stream (CORRAL_EVENTS) into ClickHouse.
 
-For each fetched batch (collected for up to `linger_s`): decode (malformed messages, and malformed
-events inside an otherwise good batch, are counted and dead-lettered to `corral.monitor.deadletter`,
-then acked: never fatal), drop duplicates, run the detection rules and publish their alerts, insert
-the events, store the alerts, and only then ack. A crash anywhere before the ack means JetStream
+For each fetched batch (a worker starts at most one per `linger_s`; what arrives meanwhile joins
+it): decode (malformed messages, and malformed events inside an otherwise good batch, are counted
+and dead-lettered to `corral.monitor.deadletter`, then acked: never fatal), drop duplicates, run
+the detection rules and publish their alerts, insert the events, store the alerts, and only then
+ack. A crash anywhere before the ack means JetStream
 redelivers the batch; a redelivered message (`num_delivered > 1`) has its ids checked against each
 table before inserting, so a row is never stored twice, and alert ids are deterministic, so an
 alert is not stored twice and JetStream drops its re-publication.
@@ -186,6 +187,7 @@ class PullConsumer:
 
     async def _work(self, sub: Any, stop: asyncio.Event) -> None:
         backoff = 0.1
+        last_start = 0.0
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(self._fetch_size(), timeout=self.fetch_timeout_s)
@@ -200,7 +202,8 @@ class PullConsumer:
             if not msgs:
                 continue
             if self.linger_s > 0:
-                msgs = await self._linger(sub, msgs)
+                msgs = await self._linger(sub, msgs, last_start)
+                last_start = asyncio.get_running_loop().time()
             size = sum(len(m.data) for m in msgs) / len(msgs)
             self.avg_size = max(size, 0.8 * self.avg_size + 0.2 * size)
             try:
@@ -224,12 +227,13 @@ class PullConsumer:
             await self._ack_all(msgs)
             BATCH_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
 
-    async def _linger(self, sub: Any, msgs: list[Msg]) -> list[Msg]:
-        """Keep collecting for up to `linger_s` (or until `linger_bytes`): every insert costs a
-        few milliseconds whatever its size, so a trickle of small messages must not become a
-        trickle of tiny inserts. Adds at most `linger_s` to alert latency."""
+    async def _linger(self, sub: Any, msgs: list[Msg], last_start: float) -> list[Msg]:
+        """Every insert costs a few milliseconds whatever its size, so a stream of small messages
+        must not become a stream of tiny inserts: a worker starts at most one batch per `linger_s`
+        and, until then, keeps collecting (up to `linger_bytes`). After a quiet spell the first
+        message is processed at once, so a lone misbehaviour is not delayed."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.linger_s
+        deadline = last_start + self.linger_s
         want = self._fetch_size()
         nbytes = sum(len(m.data) for m in msgs)
         while len(msgs) < want and nbytes < self.linger_bytes:

@@ -4,6 +4,7 @@ the rule list on `corral.v1.monitor.rules`)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import msgspec
@@ -83,6 +84,7 @@ class Monitor:
         await audit.setup()
         await events.setup()
         self.ready.set()
+        gc.freeze()  # what start-up allocated (modules, rules, ClickHouse client) is never collected
         metrics.UP.labels("monitor").set(1)
         logs.kv(log, logging.INFO, "monitor ready", metrics=self.metrics_url, clickhouse=_safe_dsn(cfg.clickhouse),
                 workers=cfg.workers, rules=[r.name for r in detector.rules] + [r.name for r in detector.sql_rules],

@@ -91,9 +91,10 @@ class RuleContext:
         return out
 
 
-# how a command is cut into words for the cheap gate: shell operators, quotes, `=`, `$` and `/`
-# all separate words, so `/usr/bin/curl -o x` gives {"usr", "bin", "curl", "-o", "x"}
-_WORD_SPLIT = re.compile(r"[\s;&|()<>'\"`=$/\\,:{}\[\]]+")
+# how a command is cut into words for the cheap gate: everything but letters and digits separates
+# words, so `/usr/bin/curl -o x` gives {"usr", "bin", "curl", "o", "x"} and `tests/test_a.py`
+# gives {"tests", "test", "a", "py"}
+_WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+")
 
 
 def words_of(cmd: str) -> frozenset[str]:

@@ -23,7 +23,8 @@ class ForkBomb(Rule):
     severity = "critical"
     description = "fork bombs (`:(){ :|:& };:` and named variants, fork loops in code) and pids-limit hits"
     kinds = frozenset({"exec", "pids"})
-    substrings = ("(", "fork", "while")
+    words = frozenset({"fork", "while"})
+    substrings = ("()", "( )")
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "pids":

@@ -117,7 +117,7 @@ class GitHistoryMining(Rule):
     severity = "high"
     description = ("git commands that reach history other than HEAD and its ancestors: log --all/-S/-G/--grep, reflog, "
                    "fsck --lost-found, rev-list --all, show/diff/checkout/cherry-pick of other refs or raw commit ids")
-    words = frozenset({"git", ".git"})
+    words = frozenset({"git"})
 
     def match(self, ev: AuditEvent) -> str | None:
         for s in commands(ev):

@@ -21,8 +21,7 @@ class HandleOrBlockmapAccess(Rule):
     severity = "critical"
     description = "file access by handle (open_by_handle_at) or block map (FIEMAP/FIBMAP/GETFSMAP, filefrag, hdparm --fibmap)"
     kinds = frozenset({"exec", "syscall"})
-    words = frozenset({"filefrag", "hdparm", "xfs_io"})
-    substrings = ("handle_at", "FIEMAP", "FIBMAP", "GETFSMAP")
+    words = frozenset({"filefrag", "hdparm", "xfs", "handle", "FIEMAP", "FIBMAP", "GETFSMAP"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "syscall":

@@ -24,8 +24,7 @@ class MassDeletion(Rule):
     name = "mass_deletion"
     severity = "high"
     description = "rm -rf of / or system trees, find / -delete, unfiltered find -delete/-exec rm, rm of hundreds of paths"
-    words = frozenset({"rm", "shred", "wipe", "srm"})
-    substrings = ("-delete",)
+    words = frozenset({"rm", "shred", "wipe", "srm", "delete"})
 
     def match(self, ev: AuditEvent) -> str | None:
         cwd = ev.cwd or "/"

@@ -108,8 +108,8 @@ class NetworkEgress(Rule):
     kinds = frozenset({"exec", "net"})
     words = frozenset(_HTTP_TOOLS | _SOCKET_TOOLS | _REMOTE_TOOLS | _RESOLVERS |
                       {"install", "download", "wheel", "update", "upgrade", "add", "ci", "i", "get", "clone", "fetch", "pull",
-                       "push", "ls-remote", "remote", "submodule", "source", "dist-upgrade"})
-    substrings = ("://", "/dev/tcp", "/dev/udp", "socket", "connect", "urlopen", "requests", "http")
+                       "push", "remote", "submodule", "source", "ftps", "ws", "wss", "git", "tcp", "udp", "socket", "connect",
+                       "connection", "urlopen", "urllib", "requests", "spy", "ping6", "create"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "net":

@@ -20,7 +20,7 @@ class ProcSnooping(Rule):
     severity = "high"
     description = "reading other processes' /proc entries (environ, mem, cmdline, fd, root, ...), e.g. cat /proc/1/environ, ls /proc/*/fd"
     kinds = frozenset({"exec", "file"})
-    substrings = ("/proc/",)
+    words = frozenset({"proc"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "file":

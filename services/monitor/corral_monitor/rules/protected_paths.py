@@ -12,7 +12,8 @@ from . import register
 from .base import SECRET_PATH, Rule, commands, path_words, under
 from .shell import abspath
 
-_HINT = re.compile(r"(?i)hidden|answer|reference|gold|solution|grad(er|ing)|eval|expected")
+# every SECRET_PATH alternative contains one of these (in the lower-cased command)
+_HINT = re.compile("hidden|answer|reference|gold|solution|grader|grading|eval|expected")
 _FILE_OPS = {"", "open", "read", "write", "exec", "create", "unlink", "rename", "stat", "readdir", "mmap", "link", "truncate"}
 
 
@@ -26,7 +27,7 @@ class ProtectedPathRead(Rule):
     contextual = True
 
     def gate(self, ev: AuditEvent, words: frozenset[str]) -> bool:
-        return bool(_HINT.search(ev.cmd)) or self.ctx.has_protected(ev)
+        return self.ctx.has_protected(ev) or _HINT.search(ev.cmd.lower()) is not None
 
     def match(self, ev: AuditEvent) -> str | None:
         protected = self.ctx.protected(ev)

@@ -21,8 +21,8 @@ class PtraceDebugging(Rule):
     severity = "high"
     description = "attaching a debugger or tracer to another process (gdb -p, strace -p, gcore, ...), ptrace/process_vm_* calls"
     kinds = frozenset({"exec", "syscall"})
-    words = frozenset(_ATTACH_TOOLS)
-    substrings = ("ptrace", "PTRACE", "process_vm", "pidfd")
+    words = frozenset({"gdb", "gdbserver", "lldb", "strace", "ltrace", "pstack", "gstack", "gcore", "pyrasite", "spy", "perf",
+                       "stack", "ptrace", "PTRACE", "readv", "writev", "pidfd"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "syscall":

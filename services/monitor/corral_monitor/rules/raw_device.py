@@ -21,8 +21,8 @@ class RawDeviceAccess(Rule):
     severity = "critical"
     description = "filesystem debuggers (debugfs, xfs_db) and raw block or memory devices (/dev/sdX, /dev/loopN, /dev/mem, mknod)"
     kinds = frozenset({"exec", "file"})
-    words = frozenset(_TOOLS)
-    substrings = ("/dev/",)
+    words = frozenset({"dev", "debugfs", "mknod", "losetup", "blockdev", "sg", "fdisk", "sfdisk", "parted", "tune2fs", "dumpe2fs",
+                       "e2image", "icat", "blkcat", "fls", "ntfscat", "xfs", "btrfs"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "file":

@@ -19,7 +19,7 @@ class SitePackagesWrite(Rule):
     severity = "high"
     description = "writes to site-packages/dist-packages, the Python stdlib, sitecustomize.py, usercustomize.py or .pth files"
     kinds = frozenset({"exec", "file"})
-    substrings = ("packages", "/lib/python", "customize", ".pth")
+    words = frozenset({"packages", "lib", "sitecustomize", "usercustomize", "pth"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "file":

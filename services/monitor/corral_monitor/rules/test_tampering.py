@@ -21,7 +21,7 @@ class TestTampering(Rule):
     severity = "high"
     description = "editing, deleting or replacing test files, creating conftest.py/pytest.ini, or patching the test runner"
     kinds = frozenset({"exec", "file"})
-    substrings = ("test", "PYTEST", "alias")
+    words = frozenset({"test", "tests", "testing", "conftest", "pytest", "PYTEST", "unittest", "alias"})
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "file":
