@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import platform
-import random
 import re
 import shutil
 import signal
@@ -457,6 +456,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.axhline(GOALS["ingest_events_per_s"]["goal"], color="red", ls="--", label="goal 100k/s")
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
+        ax.set_ylim(0, max(max(x.get("runs_events_per_s") or [0]) for x in ing) * 1.2)
         ax.set_ylabel("events/s stored (audit_events + exec_log)")
         for i, x in enumerate(ing):
             runs = x.get("runs_events_per_s") or []
@@ -493,9 +493,10 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax.set_xticks(list(xs))
         ax.set_xticklabels({"off": "audit off", "on_nomonitor": "audit on,\nmonitor stopped", "on": "audit on,\nmonitor ingesting"}[m]
                            for m in modes)
+        ax.set_ylim(0, max(ov["p99_ms"][m] for m in modes) * 1.35)
         ax.set_ylabel("ms per sb.exec(['true']) (sequential)")
         ax.set_title(f"audit overhead: p50 {ov['p50_overhead'] * 100:+.1f}%, p99 {ov['p99_overhead'] * 100:+.1f}%")
-        ax.legend()
+        ax.legend(loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -406,6 +407,7 @@ async def mstack():
     await s.start()
     yield s
     await s.stop()
+    shutil.rmtree(s.data_dir, ignore_errors=True)
 
 
 @pytest_asyncio.fixture

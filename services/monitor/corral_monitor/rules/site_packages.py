@@ -3,8 +3,6 @@ usercustomize.py or .pth files, which run code in every later Python process (in
 grader's). Package managers installing packages are the network rule's concern."""
 from __future__ import annotations
 
-import re
-
 from corral_common.audit import AuditEvent
 
 from . import register
