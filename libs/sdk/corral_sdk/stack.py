@@ -226,3 +226,15 @@ class Stack:
                     p.popen.kill()
                     await asyncio.to_thread(p.popen.wait)
         self.procs.clear()
+        self._sweep_mounts()
+
+    def _sweep_mounts(self) -> None:
+        """Safety net for processes that were killed (kill -9 tests, crashes): nothing this stack
+        mounted under its data dir may outlive it."""
+        from corral_common import linux
+
+        for mp in linux.mounted_under(os.path.abspath(self.data_dir)):
+            try:
+                linux.umount(mp, detach=True)
+            except OSError:
+                pass

@@ -154,3 +154,11 @@ class LayerMounts:
     async def close(self) -> None:
         async with self.lock:
             await self._release_locked([d for d, n in self.refs.items() for _ in range(n)])
+            # and whatever a killed predecessor mounted that nobody counted
+            for mp in linux.mounted_under(self.root):
+                if mp == self.root:
+                    continue
+                try:
+                    linux.umount(mp)
+                except OSError:
+                    linux.umount(mp, detach=True)
