@@ -74,6 +74,29 @@ STREAMS: dict[str, list[str]] = {
     "CORRAL_TRAJ": ["corral.traj.>"],
 }
 
+IMAGE_IMPORT = f"{PREFIX}.image.import"
+IMAGE_INSPECT = f"{PREFIX}.image.inspect"
+IMAGE_DELETE = f"{PREFIX}.image.delete"
+
+# monitor: read-only ClickHouse SQL; its durable audit consumer (others check how far it got)
+MONITOR_QUERY = f"{PREFIX}.monitor.query"
+MONITOR_AUDIT_DURABLE = "corral-monitor-audit"
+
+# env-builder
+ENV_BUILD = f"{PREFIX}.env.build"
+ENV_LIST = f"{PREFIX}.env.list"
+ENV_GET = f"{PREFIX}.env.get"
+ENV_GRADE = f"{PREFIX}.env.grade"
+ENV_DELETE = f"{PREFIX}.env.delete"
+ENV_QUEUE = "corral-env-builder"
+KV_ENVS = "corral_envs"
+
+
+def env_progress(build_id: str) -> str:
+    """Build progress, core NATS (not stored): a watcher subscribes before it asks for the build."""
+    return f"corral.env.progress.{build_id}"
+
+
 KV_NODES = "corral_nodes"
 KV_PLACEMENTS = "corral_placements"
 KV_REQUESTS = "corral_requests"

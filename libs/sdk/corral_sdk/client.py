@@ -159,6 +159,13 @@ class AsyncClient:
         return AsyncSandbox(self, SandboxInfo(id=sandbox_id, node="", state="running", substrate="container", image="", created_at=now, expires_at=now))
 
     @property
+    def envs(self):
+        """Environments: `await client.envs.build(spec)`, `.rollout(name)`, `.grade(sandbox)`, `.list()`."""
+        from .envs import Envs
+
+        return Envs(self)
+
+    @property
     def alerts(self):
         """The monitor's alerts: `async with client.alerts.subscribe(job="j") as alerts: async for a in alerts: ...`."""
         from .alerts import Alerts

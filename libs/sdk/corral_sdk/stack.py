@@ -56,6 +56,8 @@ class Stack:
     node_args: list[str] = field(default_factory=list)  # extra node-agent arguments; a --substrate here replaces the defaults
     docker: bool = False  # also enable the `docker` substrate (dockerd must be reachable; `corral up --docker`)
     monitor: bool = True  # the monitor, with ClickHouse embedded at <data_dir>/monitor.db
+    env_builder: bool = True  # the env-builder (`corral.v1.env.*`)
+    env_builder_args: list[str] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
 
     @property
@@ -128,6 +130,10 @@ class Stack:
             self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.url, "--clickhouse",
                                     f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port)],
                         f"http://127.0.0.1:{port}/metrics")
+        if self.env_builder:
+            port = self._mport(3)
+            self._start("env-builder", [py, "-m", "corral_env_builder", "--nats", self.url, "--metrics-port", str(port),
+                                        *self.env_builder_args], f"http://127.0.0.1:{port}/metrics")
         for i in range(self.nodes):
             node = f"node-{i + 1}"
             nd = os.path.join(self.data_dir, "nodes", node)
@@ -140,7 +146,9 @@ class Stack:
                                "--metrics-port", str(port), *self.substrate_args(), *self.node_args], f"http://127.0.0.1:{port}/metrics")
         await self._wait_ready(timeout)
         if self.monitor:
-            await self._wait_request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout)
+            await self._wait_request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout)
+        if self.env_builder:
+            await self._wait_request(subjects.ENV_LIST, b"{}", timeout)
 
     async def _wait_port(self, host: str, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,107 @@
+"""`client.envs`: build, list, show, grade and start rollouts of environments (`corral.v1.env.*`).
+
+Builds are long (set-up, a snapshot, four verification sandboxes): `build()` waits for the reply
+and, when given `progress=`, calls it with every EnvProgress the builder publishes meanwhile."""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from corral_common import subjects
+from corral_common.envs import (
+    ENV_LABEL, ENV_VERSION_LABEL, EnvBuildRequest, EnvBuildResult, EnvGradeRequest, EnvGradeResult, EnvListRequest, EnvProgress,
+    EnvRecord, EnvRef, EnvSpec,
+)
+from corral_common.messages import SandboxSpec, encoder
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, AsyncSandbox
+
+ProgressCallback = Callable[[EnvProgress], Awaitable[None] | None]
+
+
+class _BuildReply(msgspec.Struct):
+    build: EnvBuildResult
+
+
+class _GradeReply(msgspec.Struct):
+    grade: EnvGradeResult
+
+
+class _GetReply(msgspec.Struct):
+    env: EnvRecord
+    versions: list[str] = []
+
+
+class _ListReply(msgspec.Struct):
+    envs: list[EnvRecord] = []
+
+
+class Envs:
+    def __init__(self, client: AsyncClient):
+        self.client = client
+
+    async def _call(self, subject: str, req: msgspec.Struct, typ: type, timeout: float) -> Any:
+        r = await self.client.request(subject, encoder.encode(req), timeout, raw=True)
+        return msgspec.convert(r.raw, type=typ, strict=False)
+
+    async def build(self, spec: EnvSpec | dict, *, job: str = "", progress: ProgressCallback | None = None,
+                    timeout: float = 1800.0) -> EnvBuildResult:
+        """Build and verify; `result.accepted` says whether it entered the catalog, `result.report`
+        says which check failed and why."""
+        if isinstance(spec, dict):
+            spec = msgspec.convert(spec, type=EnvSpec)
+        build_id = f"b-{secrets.token_hex(6)}"
+        sub = None
+        if progress is not None:
+            async def on_msg(msg) -> None:
+                try:
+                    ev = msgspec.json.decode(msg.data, type=EnvProgress)
+                except msgspec.DecodeError:
+                    return
+                out = progress(ev)
+                if out is not None:
+                    await out
+
+            sub = await self.client.nc.subscribe(subjects.env_progress(build_id), cb=on_msg)
+        try:
+            r = await self._call(subjects.ENV_BUILD, EnvBuildRequest(spec=spec, job=job, build_id=build_id), _BuildReply, timeout)
+            return r.build
+        finally:
+            if sub is not None:
+                await sub.unsubscribe()
+
+    async def list(self, prefix: str = "") -> list[EnvRecord]:
+        return (await self._call(subjects.ENV_LIST, EnvListRequest(prefix=prefix), _ListReply, 30)).envs
+
+    async def get(self, name: str, version: str = "") -> EnvRecord:
+        return (await self._call(subjects.ENV_GET, EnvRef(name=name, version=version), _GetReply, 30)).env
+
+    async def versions(self, name: str) -> list[str]:
+        return (await self._call(subjects.ENV_GET, EnvRef(name=name), _GetReply, 30)).versions
+
+    async def delete(self, name: str, version: str = "") -> None:
+        await self.client.request(subjects.ENV_DELETE, encoder.encode(EnvRef(name=name, version=version)), 60)
+
+    async def rollout(self, name: str, version: str = "", *, job: str = "", labels: dict[str, str] | None = None,
+                      **spec: Any) -> AsyncSandbox:
+        """A fresh sandbox of the environment for an agent: its image, limits, workdir and canaries;
+        labelled so that `grade()` finds the environment. `**spec` overrides SandboxSpec fields."""
+        env = await self.get(name, version)
+        lim = env.limits
+        base = dict(image=env.image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
+                    ttl_s=lim.ttl_s, workdir=env.workdir, job=job, canaries=env.canaries,
+                    labels={**(labels or {}), ENV_LABEL: env.name, ENV_VERSION_LABEL: env.version})
+        base.update(spec)
+        return await self.client.create_spec(SandboxSpec(**base))
+
+    async def grade(self, sandbox: AsyncSandbox | str, *, destroy: bool = False, fail_on: str = "high",
+                    require_monitor: bool = True, alert_wait_s: float = 10.0, timeout: float = 600.0,
+                    name: str = "", version: str = "") -> EnvGradeResult:
+        sid = sandbox if isinstance(sandbox, str) else sandbox.id
+        req = EnvGradeRequest(sandbox_id=sid, name=name, version=version, destroy=destroy, fail_on=fail_on,  # type: ignore[arg-type]
+                              require_monitor=require_monitor, alert_wait_s=alert_wait_s)
+        return (await self._call(subjects.ENV_GRADE, req, _GradeReply, timeout)).grade

@@ -1,0 +1,133 @@
+"""The environment catalog in NATS KV: `<name>.<version>` -> StoredEnv.
+
+A version is reserved (`building`) with a KV create before its build starts, so two builders
+racing on the next version of one name never both take it; a failed build releases it. What is
+stored includes the protected content (hidden tests, solution); only EnvRecord leaves the builder."""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from corral_common import bus, subjects
+from corral_common.envs import EnvRecord, Solution
+from corral_common.errors import Conflict, NotFound
+
+STALE_BUILD_S = 3 * 3600  # a reservation older than this belongs to a builder that died mid-build
+
+
+class StoredEnv(msgspec.Struct, kw_only=True, omit_defaults=True):
+    state: Literal["building", "accepted"]
+    record: EnvRecord
+    hidden_files: dict[str, str] = {}  # absolute path -> content
+    solution: Solution = msgspec.field(default_factory=Solution)
+    grader_files: dict[str, str] = {}  # visible files put back (as built) before grading
+    reserved_at: float = 0.0
+
+
+def key(name: str, version: str) -> str:
+    return f"{name}.{version}"
+
+
+class EnvCatalog:
+    def __init__(self, kv: KeyValue):
+        self.kv = kv
+
+    @classmethod
+    async def open(cls, js) -> EnvCatalog:
+        return cls(await bus.ensure_kv(js, subjects.KV_ENVS, history=1))
+
+    async def _all(self, prefix: str = "") -> list[StoredEnv]:
+        try:
+            keys = await self.kv.keys()
+        except Exception:  # an empty bucket raises NoKeysError
+            return []
+        out = []
+        for k in keys:
+            if prefix and not k.startswith(prefix):
+                continue
+            try:
+                e = await self.kv.get(k)
+                out.append(msgspec.json.decode(e.value, type=StoredEnv))
+            except Exception:
+                continue
+        return out
+
+    async def versions(self, name: str, accepted_only: bool = True) -> list[StoredEnv]:
+        now = time.time()
+        envs = [e for e in await self._all(name + ".") if e.record.name == name]
+        envs = [e for e in envs if e.state == "accepted" or (not accepted_only and now - e.reserved_at < STALE_BUILD_S)]
+        return sorted(envs, key=lambda e: e.record.created_at)
+
+    async def list(self, prefix: str = "") -> list[EnvRecord]:
+        envs = [e for e in await self._all(prefix) if e.state == "accepted"]
+        return sorted((e.record for e in envs), key=lambda r: (r.name, r.created_at))
+
+    async def get(self, name: str, version: str = "") -> StoredEnv:
+        if version:
+            try:
+                e = await self.kv.get(key(name, version))
+                env = msgspec.json.decode(e.value, type=StoredEnv)
+            except Exception:
+                env = None
+            if env is not None and env.state == "accepted":
+                return env
+        else:
+            vs = await self.versions(name)
+            if vs:
+                return vs[-1]
+        known = sorted({f"{r.name}:{r.version}" for r in await self.list()})
+        what = f"{name}:{version}" if version else name
+        raise NotFound(f"no environment {what!r} in the catalog; known: {', '.join(known) or 'none'}")
+
+    async def next_version(self, name: str) -> str:
+        taken = [e.record.version for e in await self._all(name + ".") if e.record.name == name]
+        nums = [int(v) for v in taken if v.isdigit()]
+        return str(max(nums, default=0) + 1)
+
+    async def reserve(self, env: StoredEnv) -> None:
+        """Claim `<name>.<version>`; Conflict when it exists (accepted, or a live build)."""
+        k = key(env.record.name, env.record.version)
+        try:
+            await self.kv.create(k, msgspec.json.encode(env))
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as e:
+            if "wrong last sequence" not in str(e).lower():
+                raise
+        try:
+            cur = await self.kv.get(k)
+            old = msgspec.json.decode(cur.value, type=StoredEnv)
+        except Exception:
+            old = None
+        if old is not None and old.state == "building" and time.time() - old.reserved_at > STALE_BUILD_S:
+            await self.kv.update(k, msgspec.json.encode(env), last=cur.revision)
+            return
+        state = old.state if old else "unknown"
+        raise Conflict(f"environment {env.record.name}:{env.record.version} already exists ({state}); versions are "
+                       "immutable: leave `version` empty for the next one")
+
+    async def accept(self, env: StoredEnv) -> None:
+        env.state = "accepted"
+        await self.kv.put(key(env.record.name, env.record.version), msgspec.json.encode(env))
+
+    async def release(self, name: str, version: str) -> None:
+        try:
+            await self.kv.delete(key(name, version))
+        except Exception:
+            pass
+
+    async def find_digest(self, name: str, digest: str) -> StoredEnv | None:
+        for e in reversed(await self.versions(name)):
+            if e.record.spec_digest == digest:
+                return e
+        return None
+
+    async def delete(self, name: str, version: str) -> StoredEnv:
+        env = await self.get(name, version)
+        await self.kv.delete(key(name, env.record.version))
+        return env

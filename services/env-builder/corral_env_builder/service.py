@@ -1,0 +1,129 @@
+"""The env-builder service: `corral.v1.env.build|list|get|grade|delete` as a queue group.
+
+Builds run concurrently up to `parallel_builds`; the rest wait in a bounded backlog (see limits).
+It talks to the rest of corral only over the bus, through the SDK, like any user."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+
+from corral_common import bus, logs, metrics, subjects
+from corral_common.envs import EnvBuildRequest, EnvGradeRequest, EnvListRequest, EnvRef
+from corral_common.messages import ok
+from corral_sdk.client import AsyncClient
+
+from .build import BuildConfig, Builder
+from .catalog import EnvCatalog
+from .grade import Grader
+from .limits import BuildLimits
+from .progress import Progress
+
+log = logging.getLogger("corral.env")
+
+BUILDS = metrics.counter("corral_env_builds_total", "Environment builds by outcome", ("outcome",))
+BUILD_SECONDS = metrics.histogram("corral_env_build_seconds", "Build + verification time", (),
+                                  buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
+BUILDS_RUNNING = metrics.gauge("corral_env_builds_running", "Builds running now")
+GRADES = metrics.counter("corral_env_grades_total", "Rollouts graded by outcome", ("outcome",))
+GRADE_SECONDS = metrics.histogram("corral_env_grade_seconds", "Time to grade a rollout", (),
+                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60))
+
+
+class EnvBuilderConfig(msgspec.Struct, kw_only=True):
+    nats_url: str
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    parallel_builds: int = 2
+    files_roots: list[str] = []
+    per_job_concurrent: int = 2
+    per_job_per_minute: float = 30.0
+    max_backlog: int = 64
+
+
+class EnvBuilder:
+    def __init__(self, cfg: EnvBuilderConfig):
+        self.cfg = cfg
+        self.slots = asyncio.Semaphore(cfg.parallel_builds)
+        self.limits = BuildLimits(per_job_concurrent=cfg.per_job_concurrent, per_job_per_minute=cfg.per_job_per_minute,
+                                  max_backlog=cfg.max_backlog)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        self.nc = await bus.connect(self.cfg.nats_url, name="corral-env-builder")
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js)
+        self.catalog = await EnvCatalog.open(self.js)
+        self.client = await AsyncClient.connect(nc=self.nc)
+        self.builder = Builder(self.client, self.catalog, BuildConfig(self.cfg.files_roots))
+        self.grader = Grader(self.client, self.js, self.catalog)
+        self.responder = bus.Responder(self.nc, "env-builder")
+        q = subjects.ENV_QUEUE
+        await self.responder.serve(subjects.ENV_BUILD, self._on_build, "build", queue=q)
+        await self.responder.serve(subjects.ENV_LIST, self._on_list, "list", queue=q)
+        await self.responder.serve(subjects.ENV_GET, self._on_get, "get", queue=q)
+        await self.responder.serve(subjects.ENV_GRADE, self._on_grade, "grade", queue=q)
+        await self.responder.serve(subjects.ENV_DELETE, self._on_delete, "delete", queue=q)
+        metrics.UP.labels("env-builder").set(1)
+        logs.kv(log, logging.INFO, "env-builder ready", metrics=self.metrics_url, parallel_builds=self.cfg.parallel_builds)
+        await stop.wait()
+        await self.responder.drain(timeout=60)
+        await self.nc.drain()
+
+    async def _on_build(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, EnvBuildRequest)
+        build_id = req.build_id or f"b-{secrets.token_hex(6)}"
+        progress = Progress(self.nc, build_id, req.spec.name)
+        req.spec.validate()
+        self.limits.admit(req.job)
+        t0 = time.perf_counter()
+        outcome = "error"
+        try:
+            await progress("queued", 0.0, f"waiting for one of {self.cfg.parallel_builds} build slots")
+            async with self.slots:
+                BUILDS_RUNNING.inc()
+                try:
+                    res = await self.builder.build(req.spec, req.job, build_id, progress)
+                finally:
+                    BUILDS_RUNNING.dec()
+            outcome = "cached" if res.cached else ("accepted" if res.accepted else "rejected")
+            logs.kv(log, logging.INFO, "build finished", build=build_id, env=req.spec.name, outcome=outcome,
+                    version=res.env.version if res.env else "", failed=[c.name for c in res.report.failed()],
+                    seconds=round(time.perf_counter() - t0, 2))
+            return ok(build=res)
+        finally:
+            self.limits.release(req.job)
+            BUILDS.labels(outcome).inc()
+            BUILD_SECONDS.observe(time.perf_counter() - t0)
+
+    async def _on_list(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, EnvListRequest)
+        return ok(envs=await self.catalog.list(req.prefix))
+
+    async def _on_get(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, EnvRef)
+        env = await self.catalog.get(req.name, req.version)
+        versions = [e.record.version for e in await self.catalog.versions(req.name)]
+        return ok(env=env.record, versions=versions)
+
+    async def _on_delete(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, EnvRef)
+        env = await self.catalog.delete(req.name, req.version)
+        await self.builder._delete_image(env.record.image)
+        return ok(name=env.record.name, version=env.record.version)
+
+    async def _on_grade(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, EnvGradeRequest)
+        t0 = time.perf_counter()
+        outcome = "error"
+        try:
+            res = await self.grader.grade(req)
+            outcome = "flagged" if res.alerts and res.reward == 0 and res.passed else ("pass" if res.reward > 0 else "fail")
+            return ok(grade=res)
+        finally:
+            GRADES.labels(outcome).inc()
+            GRADE_SECONDS.observe(time.perf_counter() - t0)
