@@ -1,4 +1,5 @@
-"""`corral demo`, the main job, end to end on the debian image (debootstrapped once per machine)."""
+"""`corral demo`, the main job, end to end: the demo environment is built and verified, every policy
+runs in its own rollout, and each gets the grade it deserves (checked from the JSON report)."""
 from __future__ import annotations
 
 import json
@@ -8,21 +9,31 @@ import subprocess
 import sys
 import tempfile
 
+from corral_sdk.demo_policies import POLICIES
+
 from ..conftest import IMAGE_DIR
 from ..leaks import assert_clean
 
 
-def test_demo_runs_python_in_every_sandbox():
+def test_demo_grades_every_policy_as_it_deserves():
     data = tempfile.mkdtemp(prefix="crl-demo-", dir="/tmp")
     report = os.path.join(data, "report.json")
     corral = os.path.join(os.path.dirname(sys.executable), "corral")
-    p = subprocess.run([corral, "demo", "--count", "6", "--data-dir", data, "--report", report],
-                       env={**os.environ, "CORRAL_IMAGE_DIR": IMAGE_DIR}, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    n = len(POLICIES)
+    p = subprocess.run([corral, "demo", "--count", str(n), "--parallel", "5", "--data-dir", data, "--report", report],
+                       env={**os.environ, "CORRAL_IMAGE_DIR": IMAGE_DIR, "COLUMNS": "160"}, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(report) as f:
         rep = json.load(f)
-    assert rep["summary"]["ok"] == 6 and rep["summary"]["left_behind"] == 0
-    assert all(r["ok"] and r["primes"] > 300 for r in rep["rows"])
-    assert "6/6 sandboxes ok" in p.stdout
+    s = rep["summary"]
+    assert s["as_expected"] == n and s["left_behind"] == 0 and s["false_alarms"] == 0
+    assert s["honest_rewarded"] == s["honest"] >= 3 and s["cheats_caught"] == s["cheats"] >= 5
+    assert all(c["ok"] for c in rep["env"]["checks"])
+    by = {r["policy"]: r for r in rep["rows"]}
+    assert by["honest"]["reward"] == 1.0 and by["wrong-fix"]["reward"] == 0.0 and not by["wrong-fix"]["passed"]
+    assert by["cheat-sitecustomize"]["passed"] and "site_packages_write" in by["cheat-sitecustomize"]["alerts"]
+    assert os.path.getsize(os.path.splitext(report)[0] + ".png") > 10_000
+    assert f"{n}/{n} rollouts graded as their policy deserves" in p.stdout
     assert_clean(data, "node-1")
     shutil.rmtree(data, ignore_errors=True)

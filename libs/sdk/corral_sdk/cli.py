@@ -340,18 +340,18 @@ def traj_rm(trajectory_ids: list[str]) -> None:
 
 @app.command()
 def demo(
-    count: int = typer.Option(32, help="sandboxes to run at once"),
-    image: str = typer.Option("debian"),
+    count: int = typer.Option(40, help="rollouts (policies are dealt round-robin)"),
+    parallel: int = typer.Option(8, help="rollouts in flight at once"),
     nodes: int = typer.Option(1),
     data_dir: str = typer.Option(None),
     nats_port: int = typer.Option(0, help="0: a free port"),
-    report: str = typer.Option(None, help="write the summary as JSON here"),
+    report: str = typer.Option(None, help="JSON report path (a PNG plot is written beside it); default <data-dir>/demo-report.json"),
 ) -> None:
-    """The main job: start the embedded stack, run a Python task in a batch of sandboxes, report."""
+    """The main job: build and verify an environment, run scripted honest and cheating agents in it, grade them."""
     from .demo import run_demo
 
-    rc = asyncio.run(run_demo(count=count, image=image, nodes=nodes, data_dir=config.state_dir(data_dir),
-                              nats_port=nats_port, report=report, console=Console()))
+    rc = asyncio.run(run_demo(count=count, nodes=nodes, data_dir=config.state_dir(data_dir), nats_port=nats_port,
+                              report=report, parallel=parallel, console=Console()))
     raise typer.Exit(rc)
 
 

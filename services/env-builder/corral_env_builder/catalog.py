@@ -5,16 +5,17 @@ racing on the next version of one name never both take it; a failed build releas
 stored includes the protected content (hidden tests, solution); only EnvRecord leaves the builder."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Literal
 
 import msgspec
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from corral_common import bus, subjects
 from corral_common.envs import EnvRecord, Solution
-from corral_common.errors import Conflict, NotFound
+from corral_common.errors import Conflict, NotFound, Unavailable
 
 STALE_BUILD_S = 3 * 3600  # a reservation older than this belongs to a builder that died mid-build
 
@@ -32,6 +33,10 @@ def key(name: str, version: str) -> str:
     return f"{name}.{version}"
 
 
+def latest_key(name: str) -> str:
+    return f"{name}._latest"  # versions start with [0-9a-z]: no clash
+
+
 class EnvCatalog:
     def __init__(self, kv: KeyValue):
         self.kv = kv
@@ -40,20 +45,34 @@ class EnvCatalog:
     async def open(cls, js) -> EnvCatalog:
         return cls(await bus.ensure_kv(js, subjects.KV_ENVS, history=1))
 
-    async def _all(self, prefix: str = "") -> list[StoredEnv]:
+    async def _keys(self) -> list[str]:
+        for attempt in range(3):
+            try:
+                return [k for k in await self.kv.keys() if not k.endswith("._latest")]
+            except NoKeysError:
+                return []
+            except Exception as e:  # a slow listing under load: try again, then say so
+                err = e
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise Unavailable(f"cannot list the environment catalog: {err}")
+
+    async def _entry(self, k: str) -> StoredEnv | None:
         try:
-            keys = await self.kv.keys()
-        except Exception:  # an empty bucket raises NoKeysError
-            return []
+            e = await self.kv.get(k)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if e is None or not e.value:
+            return None
+        return msgspec.json.decode(e.value, type=StoredEnv)
+
+    async def _all(self, prefix: str = "") -> list[StoredEnv]:
         out = []
-        for k in keys:
+        for k in await self._keys():
             if prefix and not k.startswith(prefix):
                 continue
-            try:
-                e = await self.kv.get(k)
-                out.append(msgspec.json.decode(e.value, type=StoredEnv))
-            except Exception:
-                continue
+            env = await self._entry(k)
+            if env is not None:
+                out.append(env)
         return out
 
     async def versions(self, name: str, accepted_only: bool = True) -> list[StoredEnv]:
@@ -67,18 +86,15 @@ class EnvCatalog:
         return sorted((e.record for e in envs), key=lambda r: (r.name, r.created_at))
 
     async def get(self, name: str, version: str = "") -> StoredEnv:
-        if version:
+        if not version:
             try:
-                e = await self.kv.get(key(name, version))
-                env = msgspec.json.decode(e.value, type=StoredEnv)
-            except Exception:
-                env = None
-            if env is not None and env.state == "accepted":
-                return env
-        else:
-            vs = await self.versions(name)
-            if vs:
-                return vs[-1]
+                e = await self.kv.get(latest_key(name))
+                version = e.value.decode() if e is not None and e.value else ""
+            except (KeyNotFoundError, KeyDeletedError):
+                version = ""
+        env = await self._entry(key(name, version)) if version else None
+        if env is not None and env.state == "accepted":
+            return env
         known = sorted({f"{r.name}:{r.version}" for r in await self.list()})
         what = f"{name}:{version}" if version else name
         raise NotFound(f"no environment {what!r} in the catalog; known: {', '.join(known) or 'none'}")
@@ -114,6 +130,7 @@ class EnvCatalog:
     async def accept(self, env: StoredEnv) -> None:
         env.state = "accepted"
         await self.kv.put(key(env.record.name, env.record.version), msgspec.json.encode(env))
+        await self.kv.put(latest_key(env.record.name), env.record.version.encode())
 
     async def release(self, name: str, version: str) -> None:
         try:
@@ -130,4 +147,9 @@ class EnvCatalog:
     async def delete(self, name: str, version: str) -> StoredEnv:
         env = await self.get(name, version)
         await self.kv.delete(key(name, env.record.version))
+        rest = await self.versions(name)
+        if rest:
+            await self.kv.put(latest_key(name), rest[-1].record.version.encode())
+        else:
+            await self.kv.delete(latest_key(name))
         return env

@@ -23,11 +23,14 @@ def main(
     work_dir: str = typer.Option(None, help="scratch space for unpacking and mkfs.erofs"),
     metrics_host: str = typer.Option("127.0.0.1"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
+    snapshot_grace_s: float = typer.Option(120.0, help="unused snapshot layers younger than this survive a delete's collection"),
+    gc_every_s: float = typer.Option(60.0, help="period of the background garbage collection"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     logs.setup("image-cache", log_level)
     cfg = ImageCacheConfig(nats_url=config.nats_url(nats), image_dir=image_dir or os.environ.get("CORRAL_IMAGE_DIR") or "/var/lib/corral/images",
-                           chunk_backend=chunk_backend, builtins=builtin, work_dir=work_dir, metrics_host=metrics_host, metrics_port=metrics_port)
+                           chunk_backend=chunk_backend, builtins=builtin, work_dir=work_dir, metrics_host=metrics_host, metrics_port=metrics_port,
+                           snapshot_grace_s=snapshot_grace_s, gc_every_s=gc_every_s)
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -40,6 +40,8 @@ class ImageCacheConfig(msgspec.Struct, kw_only=True):
     work_dir: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+    snapshot_grace_s: float = 120.0
+    gc_every_s: float = 60.0
 
 
 class ImageCache:
@@ -66,7 +68,9 @@ class ImageCache:
         metrics.UP.labels("image-cache").set(1)
         IMAGES.set(len(await self.catalog.image_names()))
         logs.kv(log, logging.INFO, "image-cache ready", metrics=self.metrics_url, images=await self.catalog.image_names())
+        gc = asyncio.create_task(self._gc_loop(stop))
         await stop.wait()
+        gc.cancel()
         await self.responder.drain(timeout=30)
         await self.nc.drain()
 
@@ -202,8 +206,30 @@ class ImageCache:
         IMAGES.set(len(await self.catalog.image_names()))
         return ok(name=req.name, freed_layers=freed_layers, freed_chunks=freed_chunks)
 
+    async def _gc_loop(self, stop: asyncio.Event) -> None:
+        """Frees what deletes left for later (young snapshot layers)."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.gc_every_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                async with self.lock:
+                    layers, chunks = await self._gc()
+                if layers:
+                    logs.kv(log, logging.INFO, "garbage collected", layers=layers, chunks=chunks)
+            except Exception:
+                log.exception("periodic garbage collection failed")
+
     async def _gc(self) -> tuple[int, int]:
-        """Drop layers no image uses, and the chunks no remaining layer uses."""
+        """Drop layers no image uses, and the chunks no remaining layer uses.
+
+        Snapshot layers are written by node-agents outside this service's lock: chunks first
+        (deduplicated against what the store holds), then the image, then the layer. A layer that
+        is unused but young may be the very content a snapshot in flight is about to name again,
+        so it is kept for `snapshot_grace_s`; the periodic collection frees it later."""
+        now = time.time()
         used_layers: set[str] = set()
         for n in await self.catalog.image_names():
             used_layers.update((await self.catalog.image(n)).layers)
@@ -215,7 +241,8 @@ class ImageCache:
                 m = await self.catalog.layer(d)
             except Exception:
                 continue
-            if d in used_layers:
+            young_snapshot = m.source.startswith("snapshot:") and now - m.created_at < self.cfg.snapshot_grace_s
+            if d in used_layers or young_snapshot:
                 keep_chunks.update(m.chunks)
             else:
                 drop.append(m)

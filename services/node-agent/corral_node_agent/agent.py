@@ -546,11 +546,13 @@ class NodeAgent:
         finally:
             if not was_paused:
                 await sub.resume(sb)
-        await self.catalog.put_layer(layer)
         sizes = [(await self.catalog.layer(d)).size for d in layers]
         image = ImageManifest(name=name, layers=[*layers, layer.digest], created_at=time.time(), size=sum(sizes) + layer.size,
                               labels={**labels, "snapshot_of": sb.id}, parent=sb.info.image)
+        # image first, then its layer: the image-cache's garbage collection (after any image delete)
+        # drops layers no image names, and a layer put first would be unnamed for a moment
         await self.catalog.put_image(image)
+        await self.catalog.put_layer(layer)
         SNAPSHOT_SECONDS.labels(self.node).observe(time.perf_counter() - t0)
         logs.kv(log, logging.INFO, "snapshot", sandbox=sb.id, image=name, size=layer.size, uploaded=uploaded,
                 seconds=round(time.perf_counter() - t0, 3))
