@@ -251,3 +251,31 @@ async def test_demo_env_module_is_consistent():
     spec = demo_spec()
     spec.validate()
     assert demo_env.STATS_FIXED != demo_env.STATS_BUGGY and isinstance(spec.git, GitPin)
+
+
+async def test_cli_build_ls_show_grade_rm(stack, client, tmp_path):
+    from .test_cli import corral
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "app.sh").write_text("echo 1\n")
+    (tmp_path / "env.toml").write_text(
+        'name = "cli-env"\nbase_image = "busybox"\nfiles_dir = "src"\ntest_command = "sh tests/hidden.sh"\n'
+        '[hidden_files]\n"tests/hidden.sh" = "test \\"$(sh app.sh)\\" = 2\\n"\n'
+        '[solution.files]\n"app.sh" = "echo 2\\n"\n')
+    p = await asyncio.to_thread(corral, stack, "env", "build", str(tmp_path / "env.toml"), "--job", "cli")
+    assert p.stdout.split() == ["cli-env:1", "env-cli-env-1"] and "accepted" in p.stderr
+    listed = json.loads((await asyncio.to_thread(corral, stack, "env", "ls", "--json")).stdout)
+    assert any(e["name"] == "cli-env" and e["version"] == "1" for e in listed)
+    shown = json.loads((await asyncio.to_thread(corral, stack, "env", "show", "cli-env:1", "--json")).stdout)
+    assert {p["path"] for p in shown["protected"]} == {"/repo/tests/hidden.sh", "/repo/app.sh"}
+    assert "echo 2" not in json.dumps(shown)
+    sb = await client.envs.rollout("cli-env")
+    r = await sb.exec("cat app.sh")
+    assert r.stdout == "echo 1\n"  # files_dir was read by the CLI and sent inline
+    p = await asyncio.to_thread(corral, stack, "env", "grade", sb.id, "--destroy")
+    assert p.stdout.strip() == "0.0" and "hidden tests failed" in p.stderr
+    assert (await asyncio.to_thread(corral, stack, "env", "rm", "cli-env")).stdout.strip() == "cli-env"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "test_command": "true", "hidden_files": {"t": "1"}, "solution": {"files": {"a": "b"}}, "network": true}')
+    p = await asyncio.to_thread(corral, stack, "env", "build", str(bad), check=False)
+    assert p.returncode == 2 and "no network" in p.stderr
