@@ -322,7 +322,8 @@ def plot(results: dict[str, Any], conc: list[int], path: str) -> None:
     a1.set_xticks(list(x), labels)
     a1.set_ylabel("seconds (median)")
     a1.set_title("environment build and verification")
-    a1.legend(fontsize=8)
+    a1.legend(fontsize=8, loc="upper left")
+    a1.set_ylim(0, max(h.get("corral_build_big_s") or 0, h.get("docker_build_big_s") or 0) * 1.3 or 1)
     xs = range(len(conc))
     a2.bar([i - 0.2 for i in xs], [h.get(f"corral_rollouts_per_s_c{k}") or 0 for k in conc], 0.4,
            label="corral: create, act, grade (hidden tests + alerts), destroy", color="tab:blue")
@@ -332,8 +333,10 @@ def plot(results: dict[str, Any], conc: list[int], path: str) -> None:
     a2.set_xticks(list(xs), [f"{k} at once" for k in conc])
     a2.set_ylabel("rollouts per second")
     a2.set_title("full rollout pipeline")
-    a2.legend(fontsize=8)
-    fig.suptitle(f"env pipeline ({results['machine'].get('cpus')} cpus, load {results['load_before']})", fontsize=10)
+    a2.legend(fontsize=8, loc="upper left")
+    top = max([h.get(f"corral_rollouts_per_s_c{k}") or 0 for k in conc] + [h.get(f"docker_rollouts_per_s_c{k}") or 0 for k in conc])
+    a2.set_ylim(0, top * 1.35 or 1)
+    fig.suptitle(f"env pipeline ({results['machine'].get('nproc')} cpus, load average at start {results['load_before']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -348,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commits", type=int, default=200)
     ap.add_argument("--no-docker", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--replot", help="redraw the PNG from this JSON and exit")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            old = json.load(f)
+        plot(old, old["args"]["concurrency"], os.path.splitext(args.replot)[0] + ".png")
+        return 0
     if os.geteuid() != 0:
         print("run as root (runc, mounts, cgroups, dockerd)", file=sys.stderr)
         return 2
