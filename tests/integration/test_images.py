@@ -112,8 +112,11 @@ async def test_dedup_and_docker_archive(nc, client, workdir):
         r = await sb.exec("sh /app/run.sh; ls /big")
         assert r.stdout == "from-docker\n"
     # deleting one of two images sharing layers frees nothing; deleting the second frees them
+    # (>=: unused snapshot layers that earlier tests left past their grace period go too)
     d1 = await call(nc, "delete", {"name": "t-docker"})
-    assert d1["ok"] is True and d1["freed_layers"] == 2 and d1["freed_chunks"] == 2  # the blob's chunks are still used
+    assert d1["ok"] is True and d1["freed_layers"] >= 2 and d1["freed_chunks"] >= 2
+    left = await call(nc, "inspect", {"name": "t-docker2"})  # the shared layer outlives t-docker
+    assert left["ok"] is True and left["layers"][0]["digest"] == r1["image"]["layers"][0]
     d2 = await call(nc, "delete", {"name": "t-docker2"})
     assert d2["ok"] is True and d2["freed_layers"] == 2 and d2["freed_chunks"] >= 4
 
