@@ -134,6 +134,12 @@ def _docker_containers(stack, sid: str | None = None) -> list[str]:
     return p.stdout.split()
 
 
+def _docker_layer(cid: str) -> str:
+    """The overlay2 layer dir of a container (the parent of its UpperDir)."""
+    p = subprocess.run(["docker", "inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", cid], capture_output=True, text=True)
+    return os.path.dirname(p.stdout.strip())
+
+
 def _state_tag(stack) -> str:
     import hashlib
 
@@ -401,6 +407,24 @@ async def test_pids_limit(env, substrate):
 
 
 @pytest.mark.parametrize("substrate", SUBSTRATES)
+async def test_disk_limit(env, substrate):
+    """disk_mb caps the writable layer: a write past it fails with ENOSPC inside the sandbox (on
+    docker too, through the tmpfs under its overlay2 layer), and the space is usable again after."""
+    async with target(env, substrate, disk_mb=8) as t:
+        r = await t.exec("dd if=/dev/zero of=/big bs=1M count=20; echo rc=$?; ls -l /big", timeout_s=30)
+        assert "rc=0" not in r.stdout and "No space left" in r.stderr, r
+        assert int(r.stdout.split("\n")[-2].split()[4]) <= 8 << 20, r  # ls -l: the size that got written
+        if t.sandbox is None:
+            return
+        r = await ok(t, "rm /big; dd if=/dev/zero of=/tmp/mid bs=1M count=4 2>/dev/null; echo small > /small; cat /small")
+        assert r.stdout == "small\n", r
+        with pytest.raises(InvalidRequest, match="space"):
+            await t.sandbox.files.write("/tmp/big2", b"x" * (5 << 20))  # 4 MiB used + 5 > 8
+        r = await ok(t, "rm -f /tmp/mid /tmp/big2; dd if=/dev/zero of=/tmp/again bs=1M count=6 2>&1; echo rc=$?")
+        assert r.stdout.strip().endswith("rc=0"), r
+
+
+@pytest.mark.parametrize("substrate", SUBSTRATES)
 async def test_timeout_kills_every_process_of_the_exec(env, substrate):
     async with target(env, substrate) as t:
         tok = secrets.randbelow(90000) + 10000
@@ -480,6 +504,7 @@ async def test_nothing_left_after_destroy(env, substrate):
             if t.substrate != "function":
                 await t.exec("echo s", session="s")
                 cid = _docker_containers(st, t.last) if substrate == "docker" else []
+                layers = [_docker_layer(c) for c in cid]
                 await t.sandbox.destroy()
                 t.sandbox = None
             sid = t.last
@@ -502,6 +527,8 @@ async def test_nothing_left_after_destroy(env, substrate):
             assert _docker_containers(st, sid) == []
             for c in cid:
                 assert not glob.glob(f"{CG}/*/docker/{c}*"), c
+            for layer in layers:  # the tmpfs that capped its writable layer (disk_mb) is gone too
+                assert layer and not leaks.mounts_under(layer) and not os.path.exists(layer), layer
         if substrate == "container":
             assert sid not in leaks.runc_containers(f"{node_dir}/runc")
 

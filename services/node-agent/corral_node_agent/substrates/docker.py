@@ -8,7 +8,8 @@ Limits and isolation, as close to `container` as Docker allows: `NanoCpus`, `Mem
 no swap), `PidsLimit`, network `none`, every capability dropped, no-new-privileges, corral's
 seccomp profile (the one `container` uses) instead of Docker's default, Docker's masked /proc
 paths, tini (`--init`) as PID 1 reaping orphans. The container's writable layer is Docker's
-(overlay2 upper); `disk_mb` is not enforced (overlay2 on ext4 has no per-container quota).
+overlay2 upper on a tmpfs of `disk_mb` mounted between create and start (docker_disk.py says why
+not `--storage-opt size=`): writes past it fail with ENOSPC, as on `container`.
 
 Exec is `docker exec` with a small `/bin/sh` wrapper that waits for one line on stdin before it
 `exec`s the command: in that moment the node-agent moves it into a fresh child cgroup of the
@@ -59,6 +60,7 @@ from ..layermounts import LayerMounts
 from ..aio import wait_readable as _wait_readable
 from ..output import Capture
 from ..sessions import Session
+from . import docker_disk
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .container import _shquote, wait_pid  # noqa: F401  (wait_pid re-exported for symmetry)
 
@@ -80,6 +82,7 @@ class Record(msgspec.Struct, kw_only=True):
     spec: SandboxSpec
     container_id: str
     image_ref: str
+    layer_dir: str = ""  # the overlay2 layer dir whose tmpfs caps the writable layer (disk_mb)
 
 
 class DockerSandbox(Sandbox):
@@ -100,6 +103,7 @@ class DockerSandbox(Sandbox):
         self.epoch = secrets.token_hex(3)
         self.paused = False
         self.lingering: set[str] = set()
+        self.layer_dir = ""
 
 
 class DockerSubstrate(Substrate):
@@ -125,6 +129,7 @@ class DockerSubstrate(Substrate):
                              f"(e.g. `dockerd &`, or set DOCKER_HOST) or run without `--substrate docker`.") from None
         if os.geteuid() != 0:
             raise SystemExit("node-agent: substrate 'docker' needs root (per-exec cgroups, layer mounts)")
+        self.docker_layers = docker_disk.layers_dir(await self.docker.system.info())
         os.makedirs(self.dir, exist_ok=True)
 
     def _labels(self, sid: str, spec: SandboxSpec) -> dict[str, str]:
@@ -201,9 +206,14 @@ class DockerSubstrate(Substrate):
             },
         }
         container = None
+        layer = ""
         try:
             container = await self.docker.containers.create(cfg, name=f"corral-{self.tag}-{sid}")
             sb = DockerSandbox(info, spec, container, container.id, sdir, ref)
+            shown = await container.show()
+            layer = docker_disk.layer_of(shown["GraphDriver"]["Data"]["UpperDir"], self.docker_layers)
+            await asyncio.to_thread(docker_disk.cap, layer, spec.disk_mb)
+            sb.layer_dir = layer
             self._persist(sb)
             await container.start()
             await self._attach(sb)
@@ -212,6 +222,8 @@ class DockerSubstrate(Substrate):
             if container is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(container.delete(force=True, v=True))
+                with contextlib.suppress(Exception):
+                    docker_disk.release(layer)
             shutil.rmtree(sdir, ignore_errors=True)
             if isinstance(e, DockerError):
                 raise _derr(e, f"create of docker sandbox {sid}") from None
@@ -234,7 +246,8 @@ class DockerSubstrate(Substrate):
     def _persist(self, sb: DockerSandbox) -> None:
         tmp = f"{sb.sdir}/sandbox.json.tmp"
         with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(Record(info=sb.info, spec=sb.spec, container_id=sb.cid, image_ref=sb.image_ref)))
+            f.write(msgspec.json.encode(Record(info=sb.info, spec=sb.spec, container_id=sb.cid, image_ref=sb.image_ref,
+                                               layer_dir=sb.layer_dir)))
         os.replace(tmp, f"{sb.sdir}/sandbox.json")
 
     def watch_exit(self, sb: Sandbox, callback) -> None:
@@ -261,6 +274,7 @@ class DockerSubstrate(Substrate):
         for name in list(sb.sessions):
             self._close_session(sb, name)
         await self._remove(sb.container, sb.cg)
+        await asyncio.to_thread(docker_disk.release, sb.layer_dir)
         shutil.rmtree(sb.sdir, ignore_errors=True)
 
     async def _remove(self, container, cg: cgroups.Cgroups | None) -> None:
@@ -651,6 +665,7 @@ class DockerSubstrate(Substrate):
             running = c._container.get("State") in ("running", "paused")
             if rec is not None and running and rec.container_id == c.id:
                 sb = DockerSandbox(rec.info, rec.spec, c, c.id, sdir, rec.image_ref)
+                sb.layer_dir = rec.layer_dir
                 try:
                     await self._attach(sb)
                 except CorralError:
@@ -664,6 +679,8 @@ class DockerSubstrate(Substrate):
                     report.adopted.append(sid)
                     continue
             await self._remove(c, None)
+            if rec is not None:
+                docker_disk.release(rec.layer_dir)
             shutil.rmtree(sdir, ignore_errors=True)
             report.cleaned.append(sid or c.id[:12])
         for sid in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
