@@ -574,6 +574,59 @@ async def test_run_bad_input(nc):
     assert r["ok"] is True and r["result"]["stdout"] == "fine\n" and r["sandbox_id"].startswith("fn-") and r["node"], r
 
 
+async def test_run_is_idempotent_by_request_id(nc, client):
+    """A run retried with its request_id is answered from the first attempt (same sandbox, same
+    output, `replayed`), concurrent duplicates run once, and a reused id with another command is
+    a conflict."""
+    job = f"idem-{secrets.token_hex(4)}"
+    destroyed = await nc.subscribe("corral.events.sandbox.*.destroyed")
+    try:
+        rid = f"rid-{secrets.token_hex(6)}"
+        body = {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "cat /proc/sys/kernel/random/uuid"}}
+        first = await _raw(nc, "corral.v1.sandbox.run", body)
+        again = await _raw(nc, "corral.v1.sandbox.run", body)
+        assert first["ok"] and again["ok"], (first, again)
+        assert again["sandbox_id"] == first["sandbox_id"] and again["result"]["stdout"] == first["result"]["stdout"], (first, again)
+        assert first["result"]["replayed"] is False and again["result"]["replayed"] is True
+        # the same through the SDK (request_id is a spec field)
+        r = await client.run("cat /proc/sys/kernel/random/uuid", request_id=rid, job=job)
+        assert r.stdout == first["result"]["stdout"] and r.replayed is True
+
+        rid2 = f"rid-{secrets.token_hex(6)}"
+        body2 = {"spec": {"request_id": rid2, "job": job}, "exec": {"cmd": "sleep 1; cat /proc/sys/kernel/random/uuid"}}
+        replies = await asyncio.gather(*(_raw(nc, "corral.v1.sandbox.run", body2) for _ in range(6)))
+        assert all(r["ok"] for r in replies), replies
+        assert len({(r["sandbox_id"], r["result"]["stdout"]) for r in replies}) == 1, replies
+        assert [r["result"]["replayed"] for r in replies].count(False) == 1, replies
+
+        r = await _raw(nc, "corral.v1.sandbox.run", {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "echo other"}})
+        assert r["ok"] is False and r["error"]["code"] == "conflict" and rid in r["error"]["message"], r
+        # an error before anything ran keeps nothing: the retry is refused for the same reason again
+        bad = {"spec": {"request_id": f"rid-{secrets.token_hex(6)}", "image": "no-such-image-x"}, "exec": {"cmd": "true"}}
+        for _ in range(2):
+            r = await _raw(nc, "corral.v1.sandbox.run", bad)
+            assert r["ok"] is False and r["error"]["code"] == "not_found", r
+        # without a request_id every call runs
+        plain = [await _raw(nc, "corral.v1.sandbox.run", {"spec": {"job": job}, "exec": {"cmd": "true"}}) for _ in range(2)]
+        assert plain[0]["sandbox_id"] != plain[1]["sandbox_id"] and not plain[1]["result"]["replayed"], plain
+
+        # exactly one sandbox ran per request_id (every one-shot sandbox ends with a destroyed event)
+        ran: dict[str, set[str]] = {rid: set(), rid2: set()}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                m = await destroyed.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                break
+            ev = json.loads(m.data)
+            info = ev.get("info") or {}
+            if info.get("job") == job and info.get("request_id") in ran:
+                ran[info["request_id"]].add(ev["sandbox_id"])
+        assert ran == {rid: {first["sandbox_id"]}, rid2: {replies[0]["sandbox_id"]}}, ran
+    finally:
+        await destroyed.unsubscribe()
+
+
 async def test_create_rejects_one_shot_and_planned_substrates(nc):
     for sub, word in (("function", "one-shot"), ("microvm", "microvm"), ("vm", "vm"), ("docker", "available")):
         r = await _raw(nc, "corral.v1.sandbox.create", {"image": "busybox", "substrate": sub})

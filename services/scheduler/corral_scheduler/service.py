@@ -23,6 +23,7 @@ from corral_common.messages import (
 from . import placement
 from .quotas import KV_QUOTAS, JobQuota, JobTotals, Usage, check_fair_share, check_quota
 from .registry import Policy, Registry, Reservation
+from .runs import BeforeRun, RunOnce
 
 log = logging.getLogger("corral.scheduler")
 
@@ -86,6 +87,7 @@ class Scheduler:
         self.kv_nodes = await bus.ensure_kv(self.js, subjects.KV_NODES)
         self.kv_placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
         self.kv_requests = await bus.ensure_kv(self.js, subjects.KV_REQUESTS, ttl=24 * 3600)
+        self.run_once = RunOnce(self.kv_requests)
         self.kv_quotas = await bus.ensure_kv(self.js, KV_QUOTAS)
         self.quota_watcher = await self.kv_quotas.watchall()
         self._spawn(self._watch_quotas())
@@ -386,8 +388,9 @@ class Scheduler:
     async def _on_run(self, msg: Msg) -> bytes:
         """`corral.v1.sandbox.run`: place a one-shot call on a node offering its substrate (spread,
         like create; the next candidate on `capacity`/`unavailable`) and relay the node's answer
-        `{"ok", "result", "sandbox_id", "node"}`. Nothing is recorded: the sandbox is gone when
-        the reply arrives."""
+        `{"ok", "result", "sandbox_id", "node"}`. No sandbox is recorded: it is gone when the reply
+        arrives. With `spec.request_id` the call runs at most once (runs.py): a retry gets the
+        first attempt's reply, marked `replayed`."""
         req = bus.decode(msg.data, RunRequest)
         spec = req.spec.to_spec()
         self._check_substrate(spec, one_shot=True)
@@ -396,6 +399,17 @@ class Scheduler:
         if req.exec.stream or req.exec.session or req.exec.trajectory:
             raise InvalidRequest("a one-shot run answers with one message and keeps nothing: exec.stream, exec.session "
                                  "and exec.trajectory need a sandbox (create one, then exec)")
+        if not spec.request_id:
+            try:
+                return await self._run(spec, req)
+            except BeforeRun as e:
+                raise e.err from None
+        return await self.run_once.run(spec.request_id, req, req.exec.timeout_s + RUN_SLACK_S,
+                                       lambda: self._run(spec, req))
+
+    async def _run(self, spec: SandboxSpec, req: RunRequest) -> bytes:
+        """The node's reply to the run; BeforeRun for errors that leave nothing to keep (no room,
+        a node's error reply), a plain `timeout` when a node took the call and never answered."""
         alive = self.registry.alive()
         data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
         tried: list[str] = []
@@ -424,11 +438,11 @@ class Scheduler:
                 last = e
                 continue
             REJECTIONS.labels(e.code.value).inc()
-            raise e
+            raise BeforeRun(e)
         REJECTIONS.labels("capacity").inc()
         detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
-        raise Capacity(f"no node has room for a run with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
-                       f"({placement.describe_room(alive)}){detail}", retry_after_s=0.5)
+        raise BeforeRun(Capacity(f"no node has room for a run with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, "
+                                 f"substrate={spec.substrate} ({placement.describe_room(alive)}){detail}", retry_after_s=0.5))
 
     async def _on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)
