@@ -65,10 +65,5 @@ def cap(layer: str, disk_mb: int) -> None:
 
 def release(layer: str) -> None:
     """Unmount whatever is still mounted at or under `layer` (Docker normally has done it)."""
-    if not layer:
-        return
-    for mp in linux.mounted_under(layer):
-        try:
-            linux.umount(mp)
-        except OSError:
-            linux.umount(mp, detach=True)
+    if layer:
+        linux.umount_all(layer)
