@@ -15,7 +15,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from corral_common import bus, logs, metrics, subjects
-from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, NotFound, Unavailable, from_code
+from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, Unavailable, from_code
 from corral_common.messages import (
     CreateBatchRequest, Heartbeat, ListRequest, NodeCreate, NodeRun, RunRequest, SandboxInfo, SandboxSpec, encoder, new_id, ok,
 )
@@ -52,6 +52,12 @@ class _Reply(msgspec.Struct):
     ok: bool
     sandbox: SandboxInfo | None = None
     error: dict | None = None
+
+
+def _node_error(r: _Reply) -> CorralError:
+    """A node's error reply as the exception it stands for."""
+    err = r.error or {}
+    return from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True):
@@ -344,10 +350,7 @@ class Scheduler:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
-        for st in placement.candidates(alive, spec, self.policy)[:3]:
-            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
-            st.reservations.append(res)
-            tried.append(st.hb.node)
+        for st, res in self._attempts(alive, spec, tried):
             try:
                 info = await self._ask_node(st.hb.node, sid, spec)
             except CorralError as e:
@@ -364,12 +367,25 @@ class Scheduler:
             PLACEMENTS.labels(st.hb.node).inc()
             self._set_placed(info)
             return info
+        raise self._no_room("a sandbox", spec, alive, tried, last, retry_after_s=1.0)
+
+    def _attempts(self, alive: list, spec: SandboxSpec, tried: list[str]):
+        """The (up to three) best candidate nodes for spec, one at a time, each with a reservation
+        held for the attempt (the caller removes it, or keeps it once placed) and named in tried."""
+        for st in placement.candidates(alive, spec, self.policy)[:3]:
+            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
+            st.reservations.append(res)
+            tried.append(st.hb.node)
+            yield st, res
+
+    def _no_room(self, what: str, spec: SandboxSpec, alive: list, tried: list[str], last: CorralError | None,
+                 retry_after_s: float) -> Capacity:
+        """The `capacity` answer when no candidate node took the request: what was asked, the room
+        there is, and what the nodes tried said."""
         REJECTIONS.labels("capacity").inc()
         detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
-        raise Capacity(
-            f"no node has room for a sandbox with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
-            f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=1.0,
-        )
+        return Capacity(f"no node has room for {what} with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
+                        f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=retry_after_s)
 
     async def _ask_node(self, node: str, sid: str, spec: SandboxSpec) -> SandboxInfo:
         data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec))
@@ -381,8 +397,7 @@ class Scheduler:
             raise CorralError(f"node {node} did not answer within {self.cfg.node_timeout_s:g}s", Code.TIMEOUT) from None
         r = msgspec.json.decode(resp.data, type=_Reply)
         if not r.ok or r.sandbox is None:
-            err = r.error or {}
-            raise from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
+            raise _node_error(r)
         return r.sandbox
 
     async def _on_run(self, msg: Msg) -> bytes:
@@ -414,10 +429,7 @@ class Scheduler:
         data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
         tried: list[str] = []
         last: CorralError | None = None
-        for st in placement.candidates(alive, spec, self.policy)[:3]:
-            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
-            st.reservations.append(res)
-            tried.append(st.hb.node)
+        for st, res in self._attempts(alive, spec, tried):
             try:
                 resp = await self.nc.request(subjects.node_run(st.hb.node), data, timeout=req.exec.timeout_s + RUN_SLACK_S)
             except NoRespondersError:
@@ -431,18 +443,13 @@ class Scheduler:
             if resp.data.startswith(b'{"ok":true'):
                 PLACEMENTS.labels(st.hb.node).inc()
                 return resp.data
-            r = msgspec.json.decode(resp.data, type=_Reply)
-            err = r.error or {}
-            e = from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
+            e = _node_error(msgspec.json.decode(resp.data, type=_Reply))
             if e.code in (Code.CAPACITY, Code.UNAVAILABLE):
                 last = e
                 continue
             REJECTIONS.labels(e.code.value).inc()
             raise BeforeRun(e)
-        REJECTIONS.labels("capacity").inc()
-        detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
-        raise BeforeRun(Capacity(f"no node has room for a run with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, "
-                                 f"substrate={spec.substrate} ({placement.describe_room(alive)}){detail}", retry_after_s=0.5))
+        raise BeforeRun(self._no_room("a run", spec, alive, tried, last, retry_after_s=0.5))
 
     async def _on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)
