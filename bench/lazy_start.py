@@ -64,6 +64,7 @@ from typing import Any
 
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
+from bench._common import log, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -80,10 +81,6 @@ GOALS = {
     "trace_demand_miss_fraction": {"goal": 0.05, "op": "<=",
                                    "what": "demand misses with the trace replayed (median) / chunks the cold start needed"},
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def med(xs: list[float]) -> float | None:
@@ -692,10 +689,7 @@ class Bench:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = res.get("samples") or {}
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.6))

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from bench._common import log, pyplot, stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -57,24 +58,7 @@ GOALS = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # ---------------------------------------------------------------------------------- statistics
-
-def stats(ms: list[float]) -> dict[str, Any]:
-    if not ms:
-        return {"n": 0}
-    a = np.asarray(ms, dtype=float)
-    r = lambda x: round(float(x), 3)  # noqa: E731
-    return {
-        "n": int(a.size), "median_ms": r(np.median(a)), "p90_ms": r(np.percentile(a, 90)),
-        "p99_ms": r(np.percentile(a, 99)), "mean_ms": r(a.mean()), "min_ms": r(a.min()), "max_ms": r(a.max()),
-        "stdev_ms": r(a.std(ddof=1) if a.size > 1 else 0.0),
-        "samples_ms": [r(x) for x in a],
-    }
-
 
 def concurrent(fn: Callable[[int], Any], count: int) -> tuple[float, list[tuple[float, Any]]]:
     """Run fn(0..count-1) in `count` threads released together; return (wall ms, [(ms, result|exc)])."""
@@ -752,9 +736,7 @@ COLORS = {"corral": "#2b7bba", "runc": "#e08a2c", "runc (nsenter)": "#f3c68c", "
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     sysd = results["systems"]

@@ -25,6 +25,7 @@ from corral_sdk.stack import Stack, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.simnode import SimNode  # noqa: E402
+from bench._common import pyplot
 
 
 def rss_mb(pid: int) -> float:
@@ -109,10 +110,7 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(range(len(res["placements_per_s"]["rounds"])), res["placements_per_s"]["rounds"], color="#57a")

@@ -18,6 +18,7 @@ import time
 
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
+from bench._common import pyplot
 
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
 
@@ -105,10 +106,7 @@ async def run(steps: int, sizes: list[int]) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     r = res["resume"]

@@ -31,7 +31,8 @@ from corral_common.messages import ExecResult
 from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound, RemoteError, Timeout
 
 from .. import leaks
-from ..conftest import IMAGE_DIR, make_stack
+from ..conftest import IMAGE_DIR, make_stack, running_stack
+from ..dockerd import docker_ok, start_dockerd, stop_dockerd
 
 # "function-slots": the function substrate with its warm tier off (every call starts runc in a
 # prepared slot), so both of its paths are covered
@@ -39,17 +40,9 @@ SUBSTRATES = ["container", "docker", "function", "function-slots"]
 STAYING = ["container", "docker"]  # sandboxes that stay: sessions, files, pause, snapshots
 CG = "/sys/fs/cgroup"
 BUSYBOX_ROOTFS = f"{IMAGE_DIR}/busybox/rootfs"
-DOCKER_SOCK = "unix:///var/run/docker.sock"
 
 
 # ============================================================================ Docker, started here if needed
-
-
-def _docker_ok() -> bool:
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
 
 
 @dataclass
@@ -59,43 +52,11 @@ class DockerEnv:
     error: str = ""
 
 
-def _start_dockerd() -> tuple[subprocess.Popen | None, str]:
-    """Start dockerd in the background and wait for `docker info`; try twice (a stale pid file of
-    a dead dockerd is the usual reason for a first failure)."""
-    if not shutil.which("dockerd"):
-        return None, "dockerd is not installed (apt-get install docker.io)"
-    log_path = "/tmp/corral-test-dockerd.log"
-    why = ""
-    for attempt in range(2):
-        if attempt:
-            for stale in ("/var/run/docker.pid", "/var/run/docker/containerd/containerd.pid"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(stale)
-        log = open(log_path, "ab")
-        p = subprocess.Popen(["dockerd", "--host", DOCKER_SOCK], stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if _docker_ok():
-                return p, ""
-            if p.poll() is not None:
-                break
-            time.sleep(0.5)
-        if p.poll() is None:
-            p.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(20)
-        with open(log_path, errors="replace") as f:
-            why = f.read()[-1500:]
-    return None, f"dockerd did not come up; its log ({log_path}) ends with:\n{why}"
-
-
 @pytest.fixture(scope="session")
 def docker_env():
     started = None
-    if not _docker_ok():
-        started, err = _start_dockerd()
+    if not docker_ok():
+        started, err = start_dockerd("/tmp/corral-test-dockerd.log")
         if started is None:
             yield DockerEnv(image="", error=err)
             return
@@ -107,23 +68,17 @@ def docker_env():
         yield DockerEnv(image=ref, started=started)
         subprocess.run(["docker", "rmi", "-f", ref], capture_output=True)
     if started is not None:
-        started.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            started.wait(30)
+        stop_dockerd(started)
 
 
 @pytest_asyncio.fixture(scope="session")
 async def docker_stack(docker_env):
     if docker_env.error:
         pytest.fail(f"Docker cannot run on this machine, so the docker substrate cannot be tested: {docker_env.error}")
-    s = make_stack(node_args=["--substrate", "container", "--substrate", "docker"])
-    await s.start()
-    yield s
-    await s.stop()
-    leaks.assert_clean(s.data_dir, "node-1")
+    async with running_stack(node_args=["--substrate", "container", "--substrate", "docker"]) as s:
+        yield s
     left = _docker_containers(s)
     assert left == [], f"docker containers left after the stack stopped: {left}"
-    shutil.rmtree(s.data_dir, ignore_errors=True)
 
 
 def _docker_containers(stack, sid: str | None = None) -> list[str]:
