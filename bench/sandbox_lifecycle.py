@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 from bench._common import log, pyplot, stats
+from tests.dockerd import start_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -390,29 +391,13 @@ class DockerBench:
             raise RuntimeError("the docker CLI is not installed (apt-get install docker.io)")
         if self._info_ok():
             return {"dockerd_started_by_bench": False}
-        dockerd = shutil.which("dockerd")
-        if not dockerd:
-            raise RuntimeError("`docker info` fails and dockerd is not installed (apt-get install docker.io)")
         log(f"docker: starting dockerd (log {self.daemon_log})")
         self.cgroups_before = set(_docker_cgroup_dirs())
-        with open(self.daemon_log, "ab") as lf:
-            self.daemon = subprocess.Popen([dockerd, "--host", "unix:///var/run/docker.sock"], stdout=lf,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.daemon.poll() is not None:
-                raise RuntimeError(f"dockerd exited with code {self.daemon.returncode}: {self._log_tail()}")
-            if self._info_ok():
-                return {"dockerd_started_by_bench": True, "dockerd_start_s": round(time.monotonic() - t0, 2)}
-            time.sleep(0.5)
-        raise RuntimeError(f"dockerd did not answer `docker info` within {timeout:g}s: {self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        try:
-            with open(self.daemon_log, "rb") as f:
-                return f.read()[-800:].decode(errors="replace")
-        except OSError:
-            return ""
+        self.daemon, why = start_dockerd(self.daemon_log, timeout)
+        if self.daemon is None:
+            raise RuntimeError(why)
+        return {"dockerd_started_by_bench": True, "dockerd_start_s": round(time.monotonic() - t0, 2)}
 
     def versions(self) -> dict[str, Any]:
         p = run([self.docker, "version", "--format", "{{json .}}"], timeout=20)
