@@ -2,7 +2,11 @@
 one JSON shape, and matplotlib without a display. (Leading underscore: run_all skips it.)"""
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -37,3 +41,13 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(out: str, name: str, res: dict[str, Any], plot: Callable[[dict[str, Any], str], None]) -> None:
+    """Stamp `res` with the machine, write `<out>/<name>.json` and `.png`, print the JSON."""
+    res["machine"] = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    plot(res, os.path.join(out, f"{name}.png"))
+    print(json.dumps(res, indent=2))
