@@ -35,7 +35,8 @@ import time
 import uuid
 from typing import Any
 
-from bench.substrates import ensure_dockerd, loadavg, log, machine, stats
+from bench._common import log, pyplot, stats
+from bench.substrates import ensure_dockerd, loadavg, machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -305,11 +306,7 @@ def headline(results: dict[str, Any], conc: list[int]) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], conc: list[int], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     h = results["headline"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = ["demo env", "larger repo"]

@@ -64,6 +64,8 @@ from typing import Any
 
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
+from bench._common import log, pyplot
+from tests.dockerd import docker_ok, start_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -80,10 +82,6 @@ GOALS = {
     "trace_demand_miss_fraction": {"goal": 0.05, "op": "<=",
                                    "what": "demand misses with the trace replayed (median) / chunks the cold start needed"},
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def med(xs: list[float]) -> float | None:
@@ -247,26 +245,15 @@ class Docker:
         self.info: dict[str, Any] = {}
 
     def up(self, timeout: float = 60) -> None:
-        if sh(["docker", "info"], check=False, timeout=30).returncode == 0:
+        if docker_ok():
             self.info["dockerd_started_by_bench"] = False
             return
-        dockerd = shutil.which("dockerd")
-        if not dockerd:
-            raise RuntimeError("`docker info` fails and dockerd is not installed")
         log("docker: starting dockerd")
         t0 = time.monotonic()
-        lf = open(f"/tmp/corral-bench-lazy-dockerd-{os.getpid()}.log", "ab")
-        self.daemon = subprocess.Popen([dockerd, "--host", "unix:///var/run/docker.sock"], stdout=lf, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-        lf.close()
-        while time.monotonic() - t0 < timeout:
-            if self.daemon.poll() is not None:
-                raise RuntimeError(f"dockerd exited with code {self.daemon.returncode}")
-            if sh(["docker", "info"], check=False, timeout=30).returncode == 0:
-                self.info.update(dockerd_started_by_bench=True, dockerd_start_s=round(time.monotonic() - t0, 2))
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"dockerd did not answer within {timeout:g}s")
+        self.daemon, why = start_dockerd(f"/tmp/corral-bench-lazy-dockerd-{os.getpid()}.log", timeout)
+        if self.daemon is None:
+            raise RuntimeError(why)
+        self.info.update(dockerd_started_by_bench=True, dockerd_start_s=round(time.monotonic() - t0, 2))
 
     def down(self) -> None:
         if self.daemon is not None and self.daemon.poll() is None:
@@ -692,10 +679,7 @@ class Bench:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = res.get("samples") or {}
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.6))

@@ -40,6 +40,7 @@ import tempfile
 import time
 import urllib.request
 from typing import Any
+from bench._common import log, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -57,10 +58,6 @@ BENIGN_CMDS = [
     "find . -name '*.py' | head -{n}", "echo {n} > /tmp/out{n}.txt", "make -j2 test", "head -{n} README.md",
 ]
 BAD_CMDS = ["git log --all --oneline", "cat /proc/1/environ", "kill -9 1", "rm -rf /*", "curl https://example.com/fix.patch"]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -438,10 +435,7 @@ async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, An
 
 
 def plot(res: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     ax = axes[0]

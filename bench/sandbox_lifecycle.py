@@ -40,6 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from bench._common import log, pyplot, stats
+from tests.dockerd import start_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -57,24 +59,7 @@ GOALS = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # ---------------------------------------------------------------------------------- statistics
-
-def stats(ms: list[float]) -> dict[str, Any]:
-    if not ms:
-        return {"n": 0}
-    a = np.asarray(ms, dtype=float)
-    r = lambda x: round(float(x), 3)  # noqa: E731
-    return {
-        "n": int(a.size), "median_ms": r(np.median(a)), "p90_ms": r(np.percentile(a, 90)),
-        "p99_ms": r(np.percentile(a, 99)), "mean_ms": r(a.mean()), "min_ms": r(a.min()), "max_ms": r(a.max()),
-        "stdev_ms": r(a.std(ddof=1) if a.size > 1 else 0.0),
-        "samples_ms": [r(x) for x in a],
-    }
-
 
 def concurrent(fn: Callable[[int], Any], count: int) -> tuple[float, list[tuple[float, Any]]]:
     """Run fn(0..count-1) in `count` threads released together; return (wall ms, [(ms, result|exc)])."""
@@ -406,29 +391,13 @@ class DockerBench:
             raise RuntimeError("the docker CLI is not installed (apt-get install docker.io)")
         if self._info_ok():
             return {"dockerd_started_by_bench": False}
-        dockerd = shutil.which("dockerd")
-        if not dockerd:
-            raise RuntimeError("`docker info` fails and dockerd is not installed (apt-get install docker.io)")
         log(f"docker: starting dockerd (log {self.daemon_log})")
         self.cgroups_before = set(_docker_cgroup_dirs())
-        with open(self.daemon_log, "ab") as lf:
-            self.daemon = subprocess.Popen([dockerd, "--host", "unix:///var/run/docker.sock"], stdout=lf,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.daemon.poll() is not None:
-                raise RuntimeError(f"dockerd exited with code {self.daemon.returncode}: {self._log_tail()}")
-            if self._info_ok():
-                return {"dockerd_started_by_bench": True, "dockerd_start_s": round(time.monotonic() - t0, 2)}
-            time.sleep(0.5)
-        raise RuntimeError(f"dockerd did not answer `docker info` within {timeout:g}s: {self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        try:
-            with open(self.daemon_log, "rb") as f:
-                return f.read()[-800:].decode(errors="replace")
-        except OSError:
-            return ""
+        self.daemon, why = start_dockerd(self.daemon_log, timeout)
+        if self.daemon is None:
+            raise RuntimeError(why)
+        return {"dockerd_started_by_bench": True, "dockerd_start_s": round(time.monotonic() - t0, 2)}
 
     def versions(self) -> dict[str, Any]:
         p = run([self.docker, "version", "--format", "{{json .}}"], timeout=20)
@@ -752,9 +721,7 @@ COLORS = {"corral": "#2b7bba", "runc": "#e08a2c", "runc (nsenter)": "#f3c68c", "
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     sysd = results["systems"]

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from corral_sdk.stack import Stack, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.simnode import SimNode  # noqa: E402
+from bench._common import pyplot, save
 
 
 def rss_mb(pid: int) -> float:
@@ -109,10 +109,7 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(range(len(res["placements_per_s"]["rounds"])), res["placements_per_s"]["rounds"], color="#57a")
@@ -136,12 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     res = asyncio.run(run(args.nodes, args.live, args.batch, args.rounds))
-    res["machine"] = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "scheduler_scale.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    plot(res, os.path.join(args.out, "scheduler_scale.png"))
-    print(json.dumps(res, indent=2))
+    save(args.out, "scheduler_scale", res, plot)
     return 0
 
 

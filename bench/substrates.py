@@ -46,28 +46,14 @@ import traceback
 import uuid
 from typing import Any
 
-import numpy as np
+from bench._common import log, pyplot, stats
+from tests.dockerd import docker_ok, start_dockerd, stop_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
 ROOTFS = f"{IMAGE_DIR}/busybox/rootfs"
-DOCKER_SOCK = "unix:///var/run/docker.sock"
 GOAL = 1.5  # function call p50 / bare `runc run` p50
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def stats(ms: list[float]) -> dict[str, Any]:
-    if not ms:
-        return {"n": 0}
-    a = np.asarray(ms, dtype=float)
-    r = lambda x: round(float(x), 3)  # noqa: E731
-    return {"n": int(a.size), "median_ms": r(np.median(a)), "p90_ms": r(np.percentile(a, 90)),
-            "p99_ms": r(np.percentile(a, 99)), "mean_ms": r(a.mean()), "min_ms": r(a.min()), "max_ms": r(a.max()),
-            "samples_ms": [r(x) for x in a]}
 
 
 def loadavg() -> list[float]:
@@ -123,32 +109,11 @@ def ensure_bwrap() -> str:
     return ""
 
 
-def docker_ok() -> bool:
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def ensure_dockerd() -> tuple[subprocess.Popen | None, str]:
     if docker_ok():
         return None, ""
-    if not shutil.which("dockerd"):
-        return None, "dockerd is not installed"
     log("starting dockerd")
-    logf = open("/tmp/corral-bench-substrates-dockerd.log", "ab")
-    p = subprocess.Popen(["dockerd", "--host", DOCKER_SOCK], stdout=logf, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    logf.close()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if docker_ok():
-            return p, ""
-        if p.poll() is not None:
-            break
-        time.sleep(0.5)
-    p.terminate()
-    return None, "dockerd did not come up (see /tmp/corral-bench-substrates-dockerd.log)"
+    return start_dockerd("/tmp/corral-bench-substrates-dockerd.log")
 
 
 # ---------------------------------------------------------------------------------- baselines
@@ -485,9 +450,7 @@ def goals(systems: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = results["systems"]
     bars: list[tuple[str, dict, str]] = []
@@ -584,10 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         if docker_image:
             subprocess.run(["docker", "rmi", "-f", docker_image], capture_output=True)
         if dockerd is not None:
-            dockerd.terminate()
-            try:
-                dockerd.wait(30)
-            except subprocess.TimeoutExpired:
+            stop_dockerd(dockerd)
+            if dockerd.poll() is None:
                 dockerd.kill()
     results["machine"]["loadavg_end"] = loadavg()
     results["goals"] = goals(results["systems"])

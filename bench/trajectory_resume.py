@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -18,6 +17,7 @@ import time
 
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
+from bench._common import pyplot, save
 
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
 
@@ -105,10 +105,7 @@ async def run(steps: int, sizes: list[int]) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     r = res["resume"]
@@ -137,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     res = asyncio.run(run(args.steps, [int(s) for s in args.sizes.split(",")]))
-    res["machine"] = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "trajectory_resume.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    plot(res, os.path.join(args.out, "trajectory_resume.png"))
-    print(json.dumps(res, indent=2))
+    save(args.out, "trajectory_resume", res, plot)
     return 0
 
 

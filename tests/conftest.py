@@ -6,11 +6,13 @@ dir (unix socket paths must stay under 108 bytes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -29,6 +31,21 @@ def make_stack(nodes: int = 1, **kw) -> Stack:
     return Stack(data_dir=data, nodes=nodes, nats_port=free_port(), image_dir=IMAGE_DIR, **kw)
 
 
+@contextlib.asynccontextmanager
+async def running_stack(nodes: int = 1, **kw) -> AsyncIterator[Stack]:
+    """A started stack of a test's (or fixture's) own; afterwards stopped, checked to have left
+    nothing behind on any of its nodes (leaks.assert_clean), and its data dir removed."""
+    s = make_stack(nodes=nodes, **kw)
+    try:
+        await s.start()
+        yield s
+    finally:
+        await s.stop()
+    for i in range(s.nodes):
+        assert_clean(s.data_dir, f"node-{i + 1}")
+    shutil.rmtree(s.data_dir, ignore_errors=True)
+
+
 def ensure_builtin_images() -> None:
     """busybox and debian must exist before the image-cache starts (it imports what is built);
     debian is debootstrapped once per machine (~1 minute), a no-op afterwards."""
@@ -40,13 +57,8 @@ def ensure_builtin_images() -> None:
 @pytest_asyncio.fixture(scope="session")
 async def stack():
     await asyncio.to_thread(ensure_builtin_images)
-    s = make_stack(nodes=1)
-    await s.start()
-    yield s
-    await s.stop()
-    for i in range(s.nodes):
-        assert_clean(s.data_dir, f"node-{i + 1}")
-    shutil.rmtree(s.data_dir, ignore_errors=True)
+    async with running_stack(nodes=1) as s:
+        yield s
 
 
 @pytest_asyncio.fixture(scope="session")

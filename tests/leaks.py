@@ -7,6 +7,18 @@ import subprocess
 CG_ROOT = "/sys/fs/cgroup"
 
 
+def cgroup_pids(top: str) -> list[int]:
+    """Every process in a cgroup directory and its children (one hierarchy)."""
+    pids: list[int] = []
+    for dirpath, _dirs, _files in os.walk(top):
+        try:
+            with open(f"{dirpath}/cgroup.procs") as f:
+                pids += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return pids
+
+
 def cgroups_under(rel: str) -> list[str]:
     out = []
     for h in sorted(os.listdir(CG_ROOT)):

@@ -19,6 +19,8 @@ import pytest
 
 from corral_sdk import Forbidden, InvalidRequest, NotFound
 
+from ..leaks import cgroup_pids
+
 CG = "/sys/fs/cgroup"
 NS_TYPES = ("pid", "net", "mnt", "ipc", "uts", "cgroup")
 
@@ -41,17 +43,6 @@ def cg_read(sb, hierarchy: str, name: str) -> str:
         return f.read().strip()
 
 
-def procs_in_cgroup(top: str) -> list[int]:
-    pids: list[int] = []
-    for dirpath, _dirs, _files in os.walk(top):
-        try:
-            with open(f"{dirpath}/cgroup.procs") as f:
-                pids += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return pids
-
-
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -62,7 +53,7 @@ def cmdline(pid: int) -> str:
 
 def sandbox_host_cmdlines(sb) -> list[str]:
     """Command lines of every process in the sandbox's cgroups, seen from the host."""
-    pids = set(procs_in_cgroup(cg_dir(sb, "pids"))) | set(procs_in_cgroup(cg_dir(sb, "freezer")))
+    pids = set(cgroup_pids(cg_dir(sb, "pids"))) | set(cgroup_pids(cg_dir(sb, "freezer")))
     return [c for c in (cmdline(p) for p in sorted(pids)) if c]
 
 

@@ -20,15 +20,7 @@ CYCLES = 50
 
 def _cg_pids(node: str, sid: str) -> list[int]:
     found = glob.glob(f"{CG}/pids/corral/{node}-*/{sid}")
-    top = found[0] if found else f"{CG}/pids/corral/{node}/{sid}"
-    pids: list[int] = []
-    for dirpath, _dirs, _files in os.walk(top):
-        try:
-            with open(f"{dirpath}/cgroup.procs") as f:
-                pids += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return pids
+    return leaks.cgroup_pids(found[0] if found else f"{CG}/pids/corral/{node}/{sid}")
 
 
 def _starttime(pid: int) -> str | None:

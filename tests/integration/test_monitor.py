@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import pytest_asyncio
 
 from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
 
-from ..conftest import make_stack
+from ..conftest import running_stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = "monitor-corpus"
@@ -403,11 +402,8 @@ async def test_alerts_tail_follows_live(client, stack):
 
 @pytest_asyncio.fixture(scope="module")
 async def mstack():
-    s = make_stack(nodes=0)
-    await s.start()
-    yield s
-    await s.stop()
-    shutil.rmtree(s.data_dir, ignore_errors=True)
+    async with running_stack(nodes=0) as s:
+        yield s
 
 
 @pytest_asyncio.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -13,17 +12,14 @@ import uuid
 import nats
 import pytest
 
-from ..conftest import make_stack
+from ..conftest import running_stack
 from ..simnode import SimNode
 
 
 @pytest.fixture(scope="module")
 async def sched():
-    s = make_stack(nodes=0)
-    await s.start()
-    yield s
-    await s.stop()
-    shutil.rmtree(s.data_dir, ignore_errors=True)
+    async with running_stack(nodes=0) as s:
+        yield s
 
 
 @pytest.fixture

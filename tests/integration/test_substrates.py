@@ -31,7 +31,8 @@ from corral_common.messages import ExecResult
 from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound, RemoteError, Timeout
 
 from .. import leaks
-from ..conftest import IMAGE_DIR, make_stack
+from ..conftest import IMAGE_DIR, make_stack, running_stack
+from ..dockerd import docker_ok, start_dockerd, stop_dockerd
 
 # "function-slots": the function substrate with its warm tier off (every call starts runc in a
 # prepared slot), so both of its paths are covered
@@ -39,17 +40,9 @@ SUBSTRATES = ["container", "docker", "function", "function-slots"]
 STAYING = ["container", "docker"]  # sandboxes that stay: sessions, files, pause, snapshots
 CG = "/sys/fs/cgroup"
 BUSYBOX_ROOTFS = f"{IMAGE_DIR}/busybox/rootfs"
-DOCKER_SOCK = "unix:///var/run/docker.sock"
 
 
 # ============================================================================ Docker, started here if needed
-
-
-def _docker_ok() -> bool:
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
 
 
 @dataclass
@@ -59,43 +52,11 @@ class DockerEnv:
     error: str = ""
 
 
-def _start_dockerd() -> tuple[subprocess.Popen | None, str]:
-    """Start dockerd in the background and wait for `docker info`; try twice (a stale pid file of
-    a dead dockerd is the usual reason for a first failure)."""
-    if not shutil.which("dockerd"):
-        return None, "dockerd is not installed (apt-get install docker.io)"
-    log_path = "/tmp/corral-test-dockerd.log"
-    why = ""
-    for attempt in range(2):
-        if attempt:
-            for stale in ("/var/run/docker.pid", "/var/run/docker/containerd/containerd.pid"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(stale)
-        log = open(log_path, "ab")
-        p = subprocess.Popen(["dockerd", "--host", DOCKER_SOCK], stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if _docker_ok():
-                return p, ""
-            if p.poll() is not None:
-                break
-            time.sleep(0.5)
-        if p.poll() is None:
-            p.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(20)
-        with open(log_path, errors="replace") as f:
-            why = f.read()[-1500:]
-    return None, f"dockerd did not come up; its log ({log_path}) ends with:\n{why}"
-
-
 @pytest.fixture(scope="session")
 def docker_env():
     started = None
-    if not _docker_ok():
-        started, err = _start_dockerd()
+    if not docker_ok():
+        started, err = start_dockerd("/tmp/corral-test-dockerd.log")
         if started is None:
             yield DockerEnv(image="", error=err)
             return
@@ -107,23 +68,17 @@ def docker_env():
         yield DockerEnv(image=ref, started=started)
         subprocess.run(["docker", "rmi", "-f", ref], capture_output=True)
     if started is not None:
-        started.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            started.wait(30)
+        stop_dockerd(started)
 
 
 @pytest_asyncio.fixture(scope="session")
 async def docker_stack(docker_env):
     if docker_env.error:
         pytest.fail(f"Docker cannot run on this machine, so the docker substrate cannot be tested: {docker_env.error}")
-    s = make_stack(node_args=["--substrate", "container", "--substrate", "docker"])
-    await s.start()
-    yield s
-    await s.stop()
-    leaks.assert_clean(s.data_dir, "node-1")
+    async with running_stack(node_args=["--substrate", "container", "--substrate", "docker"]) as s:
+        yield s
     left = _docker_containers(s)
     assert left == [], f"docker containers left after the stack stopped: {left}"
-    shutil.rmtree(s.data_dir, ignore_errors=True)
 
 
 def _docker_containers(stack, sid: str | None = None) -> list[str]:
@@ -132,6 +87,12 @@ def _docker_containers(stack, sid: str | None = None) -> list[str]:
     p = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=corral.state={tag}", *sum((["--filter", f] for f in filt), [])],
                        capture_output=True, text=True)
     return p.stdout.split()
+
+
+def _docker_layer(cid: str) -> str:
+    """The overlay2 layer dir of a container (the parent of its UpperDir)."""
+    p = subprocess.run(["docker", "inspect", "--format", "{{.GraphDriver.Data.UpperDir}}", cid], capture_output=True, text=True)
+    return os.path.dirname(p.stdout.strip())
 
 
 def _state_tag(stack) -> str:
@@ -401,6 +362,24 @@ async def test_pids_limit(env, substrate):
 
 
 @pytest.mark.parametrize("substrate", SUBSTRATES)
+async def test_disk_limit(env, substrate):
+    """disk_mb caps the writable layer: a write past it fails with ENOSPC inside the sandbox (on
+    docker too, through the tmpfs under its overlay2 layer), and the space is usable again after."""
+    async with target(env, substrate, disk_mb=8) as t:
+        r = await t.exec("dd if=/dev/zero of=/big bs=1M count=20; echo rc=$?; ls -l /big", timeout_s=30)
+        assert "rc=0" not in r.stdout and "No space left" in r.stderr, r
+        assert int(r.stdout.split("\n")[-2].split()[4]) <= 8 << 20, r  # ls -l: the size that got written
+        if t.sandbox is None:
+            return
+        r = await ok(t, "rm /big; dd if=/dev/zero of=/tmp/mid bs=1M count=4 2>/dev/null; echo small > /small; cat /small")
+        assert r.stdout == "small\n", r
+        with pytest.raises(InvalidRequest, match="space"):
+            await t.sandbox.files.write("/tmp/big2", b"x" * (5 << 20))  # 4 MiB used + 5 > 8
+        r = await ok(t, "rm -f /tmp/mid /tmp/big2; dd if=/dev/zero of=/tmp/again bs=1M count=6 2>&1; echo rc=$?")
+        assert r.stdout.strip().endswith("rc=0"), r
+
+
+@pytest.mark.parametrize("substrate", SUBSTRATES)
 async def test_timeout_kills_every_process_of_the_exec(env, substrate):
     async with target(env, substrate) as t:
         tok = secrets.randbelow(90000) + 10000
@@ -480,6 +459,7 @@ async def test_nothing_left_after_destroy(env, substrate):
             if t.substrate != "function":
                 await t.exec("echo s", session="s")
                 cid = _docker_containers(st, t.last) if substrate == "docker" else []
+                layers = [_docker_layer(c) for c in cid]
                 await t.sandbox.destroy()
                 t.sandbox = None
             sid = t.last
@@ -502,6 +482,8 @@ async def test_nothing_left_after_destroy(env, substrate):
             assert _docker_containers(st, sid) == []
             for c in cid:
                 assert not glob.glob(f"{CG}/*/docker/{c}*"), c
+            for layer in layers:  # the tmpfs that capped its writable layer (disk_mb) is gone too
+                assert layer and not leaks.mounts_under(layer) and not os.path.exists(layer), layer
         if substrate == "container":
             assert sid not in leaks.runc_containers(f"{node_dir}/runc")
 
@@ -545,6 +527,59 @@ async def test_run_bad_input(nc):
         assert word in r["error"]["message"], (word, r)
     r = await _raw(nc, "corral.v1.sandbox.run", {"exec": {"cmd": "echo fine"}})
     assert r["ok"] is True and r["result"]["stdout"] == "fine\n" and r["sandbox_id"].startswith("fn-") and r["node"], r
+
+
+async def test_run_is_idempotent_by_request_id(nc, client):
+    """A run retried with its request_id is answered from the first attempt (same sandbox, same
+    output, `replayed`), concurrent duplicates run once, and a reused id with another command is
+    a conflict."""
+    job = f"idem-{secrets.token_hex(4)}"
+    destroyed = await nc.subscribe("corral.events.sandbox.*.destroyed")
+    try:
+        rid = f"rid-{secrets.token_hex(6)}"
+        body = {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "cat /proc/sys/kernel/random/uuid"}}
+        first = await _raw(nc, "corral.v1.sandbox.run", body)
+        again = await _raw(nc, "corral.v1.sandbox.run", body)
+        assert first["ok"] and again["ok"], (first, again)
+        assert again["sandbox_id"] == first["sandbox_id"] and again["result"]["stdout"] == first["result"]["stdout"], (first, again)
+        assert first["result"]["replayed"] is False and again["result"]["replayed"] is True
+        # the same through the SDK (request_id is a spec field)
+        r = await client.run("cat /proc/sys/kernel/random/uuid", request_id=rid, job=job)
+        assert r.stdout == first["result"]["stdout"] and r.replayed is True
+
+        rid2 = f"rid-{secrets.token_hex(6)}"
+        body2 = {"spec": {"request_id": rid2, "job": job}, "exec": {"cmd": "sleep 1; cat /proc/sys/kernel/random/uuid"}}
+        replies = await asyncio.gather(*(_raw(nc, "corral.v1.sandbox.run", body2) for _ in range(6)))
+        assert all(r["ok"] for r in replies), replies
+        assert len({(r["sandbox_id"], r["result"]["stdout"]) for r in replies}) == 1, replies
+        assert [r["result"]["replayed"] for r in replies].count(False) == 1, replies
+
+        r = await _raw(nc, "corral.v1.sandbox.run", {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "echo other"}})
+        assert r["ok"] is False and r["error"]["code"] == "conflict" and rid in r["error"]["message"], r
+        # an error before anything ran keeps nothing: the retry is refused for the same reason again
+        bad = {"spec": {"request_id": f"rid-{secrets.token_hex(6)}", "image": "no-such-image-x"}, "exec": {"cmd": "true"}}
+        for _ in range(2):
+            r = await _raw(nc, "corral.v1.sandbox.run", bad)
+            assert r["ok"] is False and r["error"]["code"] == "not_found", r
+        # without a request_id every call runs
+        plain = [await _raw(nc, "corral.v1.sandbox.run", {"spec": {"job": job}, "exec": {"cmd": "true"}}) for _ in range(2)]
+        assert plain[0]["sandbox_id"] != plain[1]["sandbox_id"] and not plain[1]["result"]["replayed"], plain
+
+        # exactly one sandbox ran per request_id (every one-shot sandbox ends with a destroyed event)
+        ran: dict[str, set[str]] = {rid: set(), rid2: set()}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                m = await destroyed.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                break
+            ev = json.loads(m.data)
+            info = ev.get("info") or {}
+            if info.get("job") == job and info.get("request_id") in ran:
+                ran[info["request_id"]].add(ev["sandbox_id"])
+        assert ran == {rid: {first["sandbox_id"]}, rid2: {replies[0]["sandbox_id"]}}, ran
+    finally:
+        await destroyed.unsubscribe()
 
 
 async def test_create_rejects_one_shot_and_planned_substrates(nc):

@@ -74,10 +74,7 @@ def merged_view(lowers: list[str], work_dir: str):
         try:
             yield mp
         finally:
-            try:
-                linux.umount(mp)
-            except OSError:
-                linux.umount(mp, detach=True)
+            linux.umount_or_detach(mp)
     finally:
         os.rmdir(mp)
 
@@ -179,10 +176,7 @@ async def export_to_docker(js, name: str, ref: str | None = None, work_dir: str 
         return ref
     finally:
         for mp in reversed(mounted):
-            try:
-                linux.umount(mp)
-            except OSError:
-                linux.umount(mp, detach=True)
+            linux.umount_or_detach(mp)
         shutil.rmtree(tmp, ignore_errors=True)
         if own:
             await docker.close()

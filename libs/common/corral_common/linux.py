@@ -43,6 +43,21 @@ def umount(target: str, detach: bool = False) -> None:
     _check(_libc.umount2(target.encode(), MNT_DETACH if detach else 0), f"umount {target}")
 
 
+def umount_or_detach(target: str) -> None:
+    """Unmount; if it is busy (a process still has a file open there), detach it so it goes when
+    the last user does. Raises only if even the detach fails (not mounted)."""
+    try:
+        umount(target)
+    except OSError:
+        umount(target, detach=True)
+
+
+def umount_all(prefix: str) -> None:
+    """Every mount at or below prefix, deepest first, detaching busy ones."""
+    for mp in mounted_under(prefix):
+        umount_or_detach(mp)
+
+
 PR_SET_CHILD_SUBREAPER = 36
 
 

@@ -127,7 +127,8 @@ class AsyncClient:
 
         `substrate="function"` (default) is corral's lightest path; "container" and "docker" work
         too. `**spec` are SandboxSpec fields (cpu, memory_mb, disk_mb, pids_max, workdir, job,
-        labels, ...); `env` is the command's environment."""
+        labels, ...); `env` is the command's environment. With `request_id=` the command runs at
+        most once: a retry with the same id returns the first run's result (`replayed=True`)."""
         from corral_common.messages import RunRequest, RunSpec
 
         req = RunRequest(spec=RunSpec(image=image, substrate=substrate, **spec),  # type: ignore[arg-type]

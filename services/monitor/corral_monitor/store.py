@@ -30,103 +30,48 @@ import msgspec
 
 DEFAULT_TTL_DAYS = {"audit_events": 30, "exec_log": 30, "sandbox_events": 90, "alerts": 180}
 
+def _table(name: str, columns: str, order_by: str, time_col: str = "ts", partition: str = "toYYYYMMDD") -> str:
+    """The DDL every corral table shares around its own columns: a unique `id` and the event time
+    `ts` first, `ingested_at` last, ReplacingMergeTree ordered by deterministic columns then time
+    and id (what makes a re-inserted row collapse), partitioned and expired by `time_col`.
+    `{db}` and `{ttl}` are filled in at creation."""
+    return f"""
+        CREATE TABLE IF NOT EXISTS {{db}}.{name} (
+            id String,
+            ts DateTime64(3, 'UTC'),
+            {columns.strip()},
+            ingested_at DateTime64(3, 'UTC') DEFAULT now64(3)
+        ) ENGINE = ReplacingMergeTree
+        PARTITION BY {partition}({time_col})
+        ORDER BY ({order_by}, {time_col}, id)
+        TTL toDateTime({time_col}) + INTERVAL {{ttl}} DAY
+    """
+
+
 SCHEMA: dict[str, str] = {
-    "audit_events": """
-        CREATE TABLE IF NOT EXISTS {db}.audit_events (
-            id String,
-            ts DateTime64(3, 'UTC'),
-            node LowCardinality(String),
-            sandbox String,
-            kind LowCardinality(String),
-            job String DEFAULT '',
-            labels Map(String, String),
-            cmd String DEFAULT '',
-            cwd String DEFAULT '',
-            session String DEFAULT '',
-            exit_code Nullable(Int32),
-            duration_ms Float64 DEFAULT 0,
-            stdout_bytes UInt64 DEFAULT 0,
-            stderr_bytes UInt64 DEFAULT 0,
-            timed_out Bool DEFAULT false,
-            op LowCardinality(String) DEFAULT '',
-            path String DEFAULT '',
-            pid Int64 DEFAULT 0,
-            comm String DEFAULT '',
-            syscall LowCardinality(String) DEFAULT '',
-            denied Bool DEFAULT false,
-            target String DEFAULT '',
-            detail Map(String, String),
-            ingested_at DateTime64(3, 'UTC') DEFAULT now64(3)
-        ) ENGINE = ReplacingMergeTree
-        PARTITION BY toYYYYMMDD(ts)
-        ORDER BY (kind, sandbox, ts, id)
-        TTL toDateTime(ts) + INTERVAL {ttl} DAY
-    """,
-    "exec_log": """
-        CREATE TABLE IF NOT EXISTS {db}.exec_log (
-            id String,
-            ts DateTime64(3, 'UTC'),
-            node LowCardinality(String),
-            sandbox String,
-            job String,
-            cmd String,
-            cwd String,
-            session String,
-            exit_code Int32,
-            duration_ms Float64,
-            stdout_bytes UInt64,
-            stderr_bytes UInt64,
-            timed_out Bool,
-            oom_killed Bool,
-            labels Map(String, String),
-            ingested_at DateTime64(3, 'UTC') DEFAULT now64(3)
-        ) ENGINE = ReplacingMergeTree
-        PARTITION BY toYYYYMMDD(ts)
-        ORDER BY (job, sandbox, ts, id)
-        TTL toDateTime(ts) + INTERVAL {ttl} DAY
-    """,
-    "sandbox_events": """
-        CREATE TABLE IF NOT EXISTS {db}.sandbox_events (
-            id String,
-            ts DateTime64(3, 'UTC'),
-            kind LowCardinality(String),
-            sandbox String,
-            node LowCardinality(String),
-            job String,
-            reason String,
-            image String,
-            substrate LowCardinality(String),
-            state LowCardinality(String),
-            cpu Float64,
-            memory_mb UInt32,
-            labels Map(String, String),
-            subject String,
-            detail String,
-            ingested_at DateTime64(3, 'UTC') DEFAULT now64(3)
-        ) ENGINE = ReplacingMergeTree
-        PARTITION BY toYYYYMMDD(ts)
-        ORDER BY (sandbox, ts, id)
-        TTL toDateTime(ts) + INTERVAL {ttl} DAY
-    """,
-    "alerts": """
-        CREATE TABLE IF NOT EXISTS {db}.alerts (
-            id String,
-            ts DateTime64(3, 'UTC'),
-            event_ts DateTime64(3, 'UTC'),
-            rule LowCardinality(String),
-            severity LowCardinality(String),
-            sandbox String,
-            node LowCardinality(String),
-            job String,
-            message String,
-            evidence_ids Array(String),
-            evidence String,
-            ingested_at DateTime64(3, 'UTC') DEFAULT now64(3)
-        ) ENGINE = ReplacingMergeTree
-        PARTITION BY toYYYYMM(event_ts)
-        ORDER BY (rule, sandbox, event_ts, id)
-        TTL toDateTime(event_ts) + INTERVAL {ttl} DAY
-    """,
+    "audit_events": _table("audit_events", """
+            node LowCardinality(String), sandbox String, kind LowCardinality(String), job String DEFAULT '',
+            labels Map(String, String), cmd String DEFAULT '', cwd String DEFAULT '', session String DEFAULT '',
+            exit_code Nullable(Int32), duration_ms Float64 DEFAULT 0, stdout_bytes UInt64 DEFAULT 0,
+            stderr_bytes UInt64 DEFAULT 0, timed_out Bool DEFAULT false, op LowCardinality(String) DEFAULT '',
+            path String DEFAULT '', pid Int64 DEFAULT 0, comm String DEFAULT '', syscall LowCardinality(String) DEFAULT '',
+            denied Bool DEFAULT false, target String DEFAULT '', detail Map(String, String)""",
+                           order_by="kind, sandbox"),
+    "exec_log": _table("exec_log", """
+            node LowCardinality(String), sandbox String, job String, cmd String, cwd String, session String,
+            exit_code Int32, duration_ms Float64, stdout_bytes UInt64, stderr_bytes UInt64, timed_out Bool,
+            oom_killed Bool, labels Map(String, String)""",
+                       order_by="job, sandbox"),
+    "sandbox_events": _table("sandbox_events", """
+            kind LowCardinality(String), sandbox String, node LowCardinality(String), job String, reason String,
+            image String, substrate LowCardinality(String), state LowCardinality(String), cpu Float64,
+            memory_mb UInt32, labels Map(String, String), subject String, detail String""",
+                             order_by="sandbox"),
+    "alerts": _table("alerts", """
+            event_ts DateTime64(3, 'UTC'), rule LowCardinality(String), severity LowCardinality(String),
+            sandbox String, node LowCardinality(String), job String, message String, evidence_ids Array(String),
+            evidence String""",
+                     order_by="rule, sandbox", time_col="event_ts", partition="toYYYYMM"),
 }
 TABLES = tuple(SCHEMA)
 

@@ -2,7 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+
+
+def read_chunk(fd: int) -> bytes | None:
+    """One read from a non-blocking fd: the data; b"" at EOF or on a read error (either ends the
+    stream); None when nothing is there yet."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 async def wait_readable(fd: int, timeout: float) -> bool:

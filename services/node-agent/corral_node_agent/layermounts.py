@@ -140,10 +140,7 @@ class LayerMounts:
                 if mp in keep:
                     continue
                 if os.path.ismount(mp):
-                    try:
-                        linux.umount(mp)
-                    except OSError:
-                        linux.umount(mp, detach=True)
+                    linux.umount_or_detach(mp)
                 try:
                     os.rmdir(mp)
                 except OSError:
@@ -158,7 +155,4 @@ class LayerMounts:
             for mp in linux.mounted_under(self.root):
                 if mp == self.root:
                     continue
-                try:
-                    linux.umount(mp)
-                except OSError:
-                    linux.umount(mp, detach=True)
+                linux.umount_or_detach(mp)

@@ -7,6 +7,8 @@ import asyncio
 import os
 from collections.abc import Callable
 
+from .aio import read_chunk
+
 ChunkCallback = Callable[[str, bytes], None]
 
 
@@ -41,14 +43,8 @@ class PipeReader:
 
     def _readable(self, name: str) -> None:
         fd = self.fds.get(name)
-        if fd is None:
+        if fd is None or (data := read_chunk(fd)) is None:
             return
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
         if not data:
             self._close(name)
             return
@@ -69,13 +65,7 @@ class PipeReader:
         """Read whatever is buffered right now, then stop (for pipes a background child keeps open)."""
         for name in list(self.fds):
             fd = self.fds[name]
-            while True:
-                try:
-                    data = os.read(fd, 65536)
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
+            while data := read_chunk(fd):
                 self.captures[name].add(data)
                 if self.on_chunk is not None:
                     self.on_chunk(name, data)

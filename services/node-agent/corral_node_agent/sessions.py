@@ -13,6 +13,7 @@ import secrets
 import shlex
 from collections.abc import Awaitable, Callable
 
+from .aio import read_chunk
 from .output import ChunkCallback, Capture
 
 
@@ -57,14 +58,8 @@ class Session:
 
     def _readable(self, name: str) -> None:
         fd = self.fds.get(name)
-        if fd is None:
+        if fd is None or (data := read_chunk(fd)) is None:
             return
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
         if not data:
             self.loop.remove_reader(fd)
             os.close(fd)

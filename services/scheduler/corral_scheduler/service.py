@@ -15,7 +15,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from corral_common import bus, logs, metrics, subjects
-from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, NotFound, Unavailable, from_code
+from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, Unavailable, from_code
 from corral_common.messages import (
     CreateBatchRequest, Heartbeat, ListRequest, NodeCreate, NodeRun, RunRequest, SandboxInfo, SandboxSpec, encoder, new_id, ok,
 )
@@ -23,6 +23,7 @@ from corral_common.messages import (
 from . import placement
 from .quotas import KV_QUOTAS, JobQuota, JobTotals, Usage, check_fair_share, check_quota
 from .registry import Policy, Registry, Reservation
+from .runs import BeforeRun, RunOnce
 
 log = logging.getLogger("corral.scheduler")
 
@@ -51,6 +52,12 @@ class _Reply(msgspec.Struct):
     ok: bool
     sandbox: SandboxInfo | None = None
     error: dict | None = None
+
+
+def _node_error(r: _Reply) -> CorralError:
+    """A node's error reply as the exception it stands for."""
+    err = r.error or {}
+    return from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True):
@@ -86,6 +93,7 @@ class Scheduler:
         self.kv_nodes = await bus.ensure_kv(self.js, subjects.KV_NODES)
         self.kv_placements = await bus.ensure_kv(self.js, subjects.KV_PLACEMENTS)
         self.kv_requests = await bus.ensure_kv(self.js, subjects.KV_REQUESTS, ttl=24 * 3600)
+        self.run_once = RunOnce(self.kv_requests)
         self.kv_quotas = await bus.ensure_kv(self.js, KV_QUOTAS)
         self.quota_watcher = await self.kv_quotas.watchall()
         self._spawn(self._watch_quotas())
@@ -342,10 +350,7 @@ class Scheduler:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
-        for st in placement.candidates(alive, spec, self.policy)[:3]:
-            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
-            st.reservations.append(res)
-            tried.append(st.hb.node)
+        for st, res in self._attempts(alive, spec, tried):
             try:
                 info = await self._ask_node(st.hb.node, sid, spec)
             except CorralError as e:
@@ -362,12 +367,25 @@ class Scheduler:
             PLACEMENTS.labels(st.hb.node).inc()
             self._set_placed(info)
             return info
+        raise self._no_room("a sandbox", spec, alive, tried, last, retry_after_s=1.0)
+
+    def _attempts(self, alive: list, spec: SandboxSpec, tried: list[str]):
+        """The (up to three) best candidate nodes for spec, one at a time, each with a reservation
+        held for the attempt (the caller removes it, or keeps it once placed) and named in tried."""
+        for st in placement.candidates(alive, spec, self.policy)[:3]:
+            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
+            st.reservations.append(res)
+            tried.append(st.hb.node)
+            yield st, res
+
+    def _no_room(self, what: str, spec: SandboxSpec, alive: list, tried: list[str], last: CorralError | None,
+                 retry_after_s: float) -> Capacity:
+        """The `capacity` answer when no candidate node took the request: what was asked, the room
+        there is, and what the nodes tried said."""
         REJECTIONS.labels("capacity").inc()
         detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
-        raise Capacity(
-            f"no node has room for a sandbox with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
-            f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=1.0,
-        )
+        return Capacity(f"no node has room for {what} with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
+                        f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=retry_after_s)
 
     async def _ask_node(self, node: str, sid: str, spec: SandboxSpec) -> SandboxInfo:
         data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec))
@@ -379,15 +397,15 @@ class Scheduler:
             raise CorralError(f"node {node} did not answer within {self.cfg.node_timeout_s:g}s", Code.TIMEOUT) from None
         r = msgspec.json.decode(resp.data, type=_Reply)
         if not r.ok or r.sandbox is None:
-            err = r.error or {}
-            raise from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
+            raise _node_error(r)
         return r.sandbox
 
     async def _on_run(self, msg: Msg) -> bytes:
         """`corral.v1.sandbox.run`: place a one-shot call on a node offering its substrate (spread,
         like create; the next candidate on `capacity`/`unavailable`) and relay the node's answer
-        `{"ok", "result", "sandbox_id", "node"}`. Nothing is recorded: the sandbox is gone when
-        the reply arrives."""
+        `{"ok", "result", "sandbox_id", "node"}`. No sandbox is recorded: it is gone when the reply
+        arrives. With `spec.request_id` the call runs at most once (runs.py): a retry gets the
+        first attempt's reply, marked `replayed`."""
         req = bus.decode(msg.data, RunRequest)
         spec = req.spec.to_spec()
         self._check_substrate(spec, one_shot=True)
@@ -396,14 +414,22 @@ class Scheduler:
         if req.exec.stream or req.exec.session or req.exec.trajectory:
             raise InvalidRequest("a one-shot run answers with one message and keeps nothing: exec.stream, exec.session "
                                  "and exec.trajectory need a sandbox (create one, then exec)")
+        if not spec.request_id:
+            try:
+                return await self._run(spec, req)
+            except BeforeRun as e:
+                raise e.err from None
+        return await self.run_once.run(spec.request_id, req, req.exec.timeout_s + RUN_SLACK_S,
+                                       lambda: self._run(spec, req))
+
+    async def _run(self, spec: SandboxSpec, req: RunRequest) -> bytes:
+        """The node's reply to the run; BeforeRun for errors that leave nothing to keep (no room,
+        a node's error reply), a plain `timeout` when a node took the call and never answered."""
         alive = self.registry.alive()
         data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
         tried: list[str] = []
         last: CorralError | None = None
-        for st in placement.candidates(alive, spec, self.policy)[:3]:
-            res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
-            st.reservations.append(res)
-            tried.append(st.hb.node)
+        for st, res in self._attempts(alive, spec, tried):
             try:
                 resp = await self.nc.request(subjects.node_run(st.hb.node), data, timeout=req.exec.timeout_s + RUN_SLACK_S)
             except NoRespondersError:
@@ -417,18 +443,13 @@ class Scheduler:
             if resp.data.startswith(b'{"ok":true'):
                 PLACEMENTS.labels(st.hb.node).inc()
                 return resp.data
-            r = msgspec.json.decode(resp.data, type=_Reply)
-            err = r.error or {}
-            e = from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
+            e = _node_error(msgspec.json.decode(resp.data, type=_Reply))
             if e.code in (Code.CAPACITY, Code.UNAVAILABLE):
                 last = e
                 continue
             REJECTIONS.labels(e.code.value).inc()
-            raise e
-        REJECTIONS.labels("capacity").inc()
-        detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
-        raise Capacity(f"no node has room for a run with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
-                       f"({placement.describe_room(alive)}){detail}", retry_after_s=0.5)
+            raise BeforeRun(e)
+        raise BeforeRun(self._no_room("a run", spec, alive, tried, last, retry_after_s=0.5))
 
     async def _on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)

@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
-import itertools
 import json
 import logging
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -34,6 +32,7 @@ from ..layermounts import LayerMounts
 from ..output import PipeReader
 from ..sessions import Session
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
+from .common import StayingSandbox, adopt_exec_groups, load_record, result_stderr, save_record, session_exec, unwatch_pidfd, watch_pidfd
 
 log = logging.getLogger("corral.node.container")
 
@@ -54,25 +53,15 @@ class Record(msgspec.Struct, kw_only=True):
     layers: list[str] = []
 
 
-class ContainerSandbox(Sandbox):
+class ContainerSandbox(StayingSandbox):
+    cg: cgroups.Cgroups
+
     def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups, init_pid: int, layers: list[str]):
-        super().__init__(info, spec)
+        super().__init__(info, spec, sdir, cg)
         self.layers = layers
-        self.sdir = sdir
         self.rootfs = f"{sdir}/rootfs"
         self.ctl = f"{sdir}/ctl.sock"
-        self.io = f"{sdir}/io"
-        self.cg = cg
         self.init_pid = init_pid
-        self.pidfd: int | None = None
-        self.sessions: dict[str, Session] = {}
-        self.session_locks: dict[str, asyncio.Lock] = {}
-        # exec cgroup names carry a per-agent-run prefix so an adopted sandbox's lingering
-        # groups (background processes started before a restart) are never reused
-        self.seq = itertools.count(1)
-        self.epoch = secrets.token_hex(3)
-        self.paused = False
-        self.lingering: set[str] = set()
         try:
             self.pidfd = os.pidfd_open(init_pid)
         except OSError:
@@ -194,29 +183,14 @@ class ContainerSubstrate(Substrate):
 
     def watch_exit(self, sb: Sandbox, callback) -> None:
         assert isinstance(sb, ContainerSandbox)
-        if sb.pidfd is None:
-            return
-        loop = asyncio.get_running_loop()
-        fd = sb.pidfd
-
-        def fired() -> None:
-            loop.remove_reader(fd)
-            if sb.pidfd is not None:  # not a destroy in progress
-                callback(sb)
-
-        loop.add_reader(fd, fired)
+        watch_pidfd(sb, callback)
 
     async def destroy(self, sb: Sandbox) -> None:
         assert isinstance(sb, ContainerSandbox)
-        if sb.pidfd is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(sb.pidfd)
-            except (RuntimeError, ValueError):
-                pass
+        pidfd = unwatch_pidfd(sb)
         for s in sb.sessions.values():
             s.close()
         sb.sessions.clear()
-        pidfd, sb.pidfd = sb.pidfd, None
         await self._teardown_async(sb.id, sb.sdir, sb.cg, pidfd, sb.layers)
 
     def _teardown(self, sid: str, sdir: str, cg: cgroups.Cgroups, pidfd: int | None) -> None:
@@ -235,19 +209,12 @@ class ContainerSubstrate(Substrate):
         cg.destroy(timeout=10)
         subprocess.run([self.runc, "--root", self.runc_root, "delete", "--force", sid],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        for mp in linux.mounted_under(sdir):
-            try:
-                linux.umount(mp)
-            except OSError:
-                linux.umount(mp, detach=True)
+        linux.umount_all(sdir)
         cg.destroy(timeout=1)
         shutil.rmtree(sdir, ignore_errors=True)
 
     def _persist(self, sb: ContainerSandbox) -> None:
-        tmp = f"{sb.sdir}/sandbox.json.tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(Record(info=sb.info, spec=sb.spec, init_pid=sb.init_pid, layers=sb.layers)))
-        os.replace(tmp, f"{sb.sdir}/sandbox.json")
+        save_record(sb.sdir, Record(info=sb.info, spec=sb.spec, init_pid=sb.init_pid, layers=sb.layers))
 
     async def snapshot_dir(self, sb: Sandbox) -> tuple[str, list[str]]:
         assert isinstance(sb, ContainerSandbox)
@@ -265,7 +232,8 @@ class ContainerSubstrate(Substrate):
             if not k or "=" in k or "\0" in k:
                 raise InvalidRequest(f"invalid environment variable name {k!r}")
         if req.session:
-            return await self._session_exec(sb, req, argv, env, on_chunk)
+            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session, env),
+                                      lambda name: _end_session(sb, name))
         cwd = req.cwd or sb.spec.workdir or "/"
         group = f"x{sb.epoch}-{next(sb.seq)}"
         t0 = time.perf_counter()
@@ -311,70 +279,13 @@ class ContainerSubstrate(Substrate):
         if not sb.cg.remove_group(group):
             sb.lingering.add(group)  # background processes still running; swept on destroy
         code, sig = _exit_code(status)
-        stderr = reader.text("stderr")
         oom = sig == signal.SIGKILL and sb.cg.oom_kills() > oom_before
-        if oom:
-            stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={sb.spec.memory_mb})\n"
-        if timed_out:
-            stderr += f"\ncorral: timed out after {req.timeout_s:g}s; every process of this exec was killed\n"
+        stderr = result_stderr(reader.text("stderr"), sb.spec, req, oom, timed_out)
         return ExecResult(
             exit_code=code, stdout=reader.text("stdout"), stderr=stderr,
             duration_ms=(time.perf_counter() - t0) * 1000, timed_out=timed_out,
             truncated=reader.truncated, oom_killed=oom, signal=sig,
         )
-
-    async def _session_exec(self, sb: ContainerSandbox, req: ExecRequest, argv: list[str], env: dict[str, str], on_chunk: ChunkCallback | None) -> ExecResult:
-        lock = sb.session_locks.setdefault(req.session, asyncio.Lock())
-        async with lock:
-            t0 = time.perf_counter()
-            session = sb.sessions.get(req.session)
-            if session is None or not session.alive:
-                if session is not None:
-                    session.close()
-                session = await self._start_session(sb, req.session, env)
-                sb.sessions[req.session] = session
-            n = next(sb.seq)
-            script = f"c{n}"
-            script_text = req.cmd if isinstance(req.cmd, str) else " ".join(_shquote(a) for a in argv)
-            with open(f"{sb.io}/{script}", "w") as f:
-                f.write(script_text + "\n")
-            stdin_path = None
-            if req.stdin:
-                with open(f"{sb.io}/i{n}", "wb") as f:
-                    f.write(req.stdin.encode())
-                stdin_path = f"/.corral/io/i{n}"
-            oom_before = sb.cg.oom_kills()
-            extra_env = {k: v for k, v in req.env.items()}
-
-            async def kill() -> None:
-                await asyncio.to_thread(sb.cg.kill_group, session.group)
-
-            try:
-                res = await session.run(
-                    f"/.corral/io/{script}", stdin_path, req.cwd, extra_env, req.timeout_s,
-                    req.max_output_bytes, on_chunk, kill,
-                )
-            finally:
-                for p in (f"{sb.io}/{script}", f"{sb.io}/i{n}"):
-                    try:
-                        os.unlink(p)
-                    except FileNotFoundError:
-                        pass
-            stderr = res.stderr.decode("utf-8", errors="replace")
-            oom = res.ended and sb.cg.oom_kills() > oom_before
-            if res.ended:
-                session.close()
-                sb.sessions.pop(req.session, None)
-                sb.cg.remove_group(session.group)
-            if oom:
-                stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={sb.spec.memory_mb})\n"
-            if res.timed_out:
-                stderr += f"\ncorral: timed out after {req.timeout_s:g}s; session {req.session!r} was killed and will start afresh\n"
-            return ExecResult(
-                exit_code=res.exit_code, stdout=res.stdout.decode("utf-8", errors="replace"), stderr=stderr,
-                duration_ms=(time.perf_counter() - t0) * 1000, timed_out=res.timed_out,
-                truncated=res.truncated, oom_killed=oom, signal=9 if res.timed_out or oom else None,
-            )
 
     async def _start_session(self, sb: ContainerSandbox, name: str, env: dict[str, str]) -> Session:
         group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
@@ -472,16 +383,12 @@ class ContainerSubstrate(Substrate):
             sdir = f"{self.sandboxes_dir}/{sid}"
             seen.add(sid)
             cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
-            rec = _load_record(f"{sdir}/sandbox.json")
+            rec = load_record(f"{sdir}/sandbox.json", Record)
             st = runc_states.get(sid)
             if rec is not None and st is not None and st.get("status") in ("running", "paused") and _responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
                 sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid), rec.layers)
                 sb.paused = st.get("status") == "paused"
-                for group in cg.exec_groups():
-                    # background processes from before the restart keep running (a server the
-                    # agent started must survive us); empty groups go now, the rest on destroy
-                    if not cg.remove_group(group):
-                        sb.lingering.add(group)
+                adopt_exec_groups(cg, sb.lingering)
                 adopted.append(sb)
                 report.adopted.append(sid)
                 continue
@@ -561,10 +468,10 @@ def _exit_code(status: int) -> tuple[int, int | None]:
     return 255, None
 
 
-def _shquote(s: str) -> str:
-    import shlex
-
-    return shlex.quote(s)
+def _end_session(sb: ContainerSandbox, name: str) -> None:
+    s = sb.sessions.pop(name, None)
+    if s is not None:
+        s.close()
 
 
 def _tail(path: str, n: int = 2000) -> str:
@@ -573,14 +480,6 @@ def _tail(path: str, n: int = 2000) -> str:
             return f.read()[-n:].strip() or "(no output)"
     except OSError:
         return "(no log)"
-
-
-def _load_record(path: str) -> Record | None:
-    try:
-        with open(path, "rb") as f:
-            return msgspec.json.decode(f.read(), type=Record)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
 
 
 def _responsive(ctl: str, paused: bool) -> bool:

@@ -8,7 +8,8 @@ Limits and isolation, as close to `container` as Docker allows: `NanoCpus`, `Mem
 no swap), `PidsLimit`, network `none`, every capability dropped, no-new-privileges, corral's
 seccomp profile (the one `container` uses) instead of Docker's default, Docker's masked /proc
 paths, tini (`--init`) as PID 1 reaping orphans. The container's writable layer is Docker's
-(overlay2 upper); `disk_mb` is not enforced (overlay2 on ext4 has no per-container quota).
+overlay2 upper on a tmpfs of `disk_mb` mounted between create and start (docker_disk.py says why
+not `--storage-opt size=`): writes past it fail with ENOSPC, as on `container`.
 
 Exec is `docker exec` with a small `/bin/sh` wrapper that waits for one line on stdin before it
 `exec`s the command: in that moment the node-agent moves it into a fresh child cgroup of the
@@ -35,7 +36,6 @@ import base64
 import contextlib
 import hashlib
 import io
-import itertools
 import json
 import logging
 import os
@@ -59,8 +59,9 @@ from ..layermounts import LayerMounts
 from ..aio import wait_readable as _wait_readable
 from ..output import Capture
 from ..sessions import Session
+from . import docker_disk
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
-from .container import _shquote, wait_pid  # noqa: F401  (wait_pid re-exported for symmetry)
+from .common import IO_MOUNT, StayingSandbox, adopt_exec_groups, load_record, result_stderr, save_record, session_exec, unwatch_pidfd, watch_pidfd
 
 log = logging.getLogger("corral.node.docker")
 
@@ -68,7 +69,6 @@ log = logging.getLogger("corral.node.docker")
 # becomes the command; a missing command gets the container substrate's message and code
 WRAPPER = ('read -r _ || exit 125; command -v -- "$1" >/dev/null 2>&1 || '
            '{ printf "corral: cannot run %s: No such file or directory\\n" "$1" >&2; exit 127; }; exec "$@"')
-IO_MOUNT = "/.corral/io"
 # Go's os.FileMode bits, as Docker's archive stat reports them
 GO_MODE_DIR, GO_MODE_SYMLINK = 1 << 31, 1 << 27
 GO_MODE_TYPE = GO_MODE_DIR | GO_MODE_SYMLINK | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
@@ -80,26 +80,18 @@ class Record(msgspec.Struct, kw_only=True):
     spec: SandboxSpec
     container_id: str
     image_ref: str
+    layer_dir: str = ""  # the overlay2 layer dir whose tmpfs caps the writable layer (disk_mb)
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(StayingSandbox):
     def __init__(self, info: SandboxInfo, spec: SandboxSpec, container, cid: str, sdir: str, image_ref: str):
-        super().__init__(info, spec)
+        super().__init__(info, spec, sdir, None)  # cg and pidfd: from _attach, once it runs
         self.container = container
         self.cid = cid
-        self.sdir = sdir
-        self.io = f"{sdir}/io"
         self.image_ref = image_ref
         self.init_pid = 0
-        self.pidfd: int | None = None
-        self.cg: cgroups.Cgroups | None = None
-        self.sessions: dict[str, Session] = {}
         self.session_links: dict[str, _Bridge] = {}
-        self.session_locks: dict[str, asyncio.Lock] = {}
-        self.seq = itertools.count(1)
-        self.epoch = secrets.token_hex(3)
-        self.paused = False
-        self.lingering: set[str] = set()
+        self.layer_dir = ""
 
 
 class DockerSubstrate(Substrate):
@@ -125,6 +117,7 @@ class DockerSubstrate(Substrate):
                              f"(e.g. `dockerd &`, or set DOCKER_HOST) or run without `--substrate docker`.") from None
         if os.geteuid() != 0:
             raise SystemExit("node-agent: substrate 'docker' needs root (per-exec cgroups, layer mounts)")
+        self.docker_layers = docker_disk.layers_dir(await self.docker.system.info())
         os.makedirs(self.dir, exist_ok=True)
 
     def _labels(self, sid: str, spec: SandboxSpec) -> dict[str, str]:
@@ -201,9 +194,14 @@ class DockerSubstrate(Substrate):
             },
         }
         container = None
+        layer = ""
         try:
             container = await self.docker.containers.create(cfg, name=f"corral-{self.tag}-{sid}")
             sb = DockerSandbox(info, spec, container, container.id, sdir, ref)
+            shown = await container.show()
+            layer = docker_disk.layer_of(shown["GraphDriver"]["Data"]["UpperDir"], self.docker_layers)
+            await asyncio.to_thread(docker_disk.cap, layer, spec.disk_mb)
+            sb.layer_dir = layer
             self._persist(sb)
             await container.start()
             await self._attach(sb)
@@ -212,6 +210,8 @@ class DockerSubstrate(Substrate):
             if container is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(container.delete(force=True, v=True))
+                with contextlib.suppress(Exception):
+                    docker_disk.release(layer)
             shutil.rmtree(sdir, ignore_errors=True)
             if isinstance(e, DockerError):
                 raise _derr(e, f"create of docker sandbox {sid}") from None
@@ -232,35 +232,22 @@ class DockerSubstrate(Substrate):
             sb.pidfd = None
 
     def _persist(self, sb: DockerSandbox) -> None:
-        tmp = f"{sb.sdir}/sandbox.json.tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(Record(info=sb.info, spec=sb.spec, container_id=sb.cid, image_ref=sb.image_ref)))
-        os.replace(tmp, f"{sb.sdir}/sandbox.json")
+        save_record(sb.sdir, Record(info=sb.info, spec=sb.spec, container_id=sb.cid, image_ref=sb.image_ref,
+                                    layer_dir=sb.layer_dir))
 
     def watch_exit(self, sb: Sandbox, callback) -> None:
         assert isinstance(sb, DockerSandbox)
-        if sb.pidfd is None:
-            return
-        loop = asyncio.get_running_loop()
-        fd = sb.pidfd
-
-        def fired() -> None:
-            loop.remove_reader(fd)
-            if sb.pidfd is not None:
-                callback(sb)
-
-        loop.add_reader(fd, fired)
+        watch_pidfd(sb, callback)
 
     async def destroy(self, sb: Sandbox) -> None:
         assert isinstance(sb, DockerSandbox)
-        pidfd, sb.pidfd = sb.pidfd, None
+        pidfd = unwatch_pidfd(sb)
         if pidfd is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
-                asyncio.get_running_loop().remove_reader(pidfd)
             os.close(pidfd)
         for name in list(sb.sessions):
             self._close_session(sb, name)
         await self._remove(sb.container, sb.cg)
+        await asyncio.to_thread(docker_disk.release, sb.layer_dir)
         shutil.rmtree(sb.sdir, ignore_errors=True)
 
     async def _remove(self, container, cg: cgroups.Cgroups | None) -> None:
@@ -313,7 +300,8 @@ class DockerSubstrate(Substrate):
         if any("\0" in s for s in (*argv, *req.env.values(), req.cwd or "")):
             raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
         if req.session:
-            return await self._session_exec(sb, req, on_chunk)
+            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session),
+                                      lambda name: self._close_session(sb, name))
         assert sb.cg is not None
         t0 = time.perf_counter()
         cwd = req.cwd or sb.spec.workdir or "/"
@@ -365,66 +353,17 @@ class DockerSubstrate(Substrate):
         code = await _exit_code(ex, timed_out)
         if not sb.cg.remove_group(group):
             sb.lingering.add(group)
-        stderr = caps["stderr"].buf.decode("utf-8", errors="replace")
         oom_now = sb.cg.oom_kills() > oom_before
         if code == 255 and oom_now:  # Docker never said; the memory cgroup did
             code = 137
         oom = code == 137 and oom_now
-        if oom:
-            stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={sb.spec.memory_mb})\n"
-        if timed_out:
-            stderr += f"\ncorral: timed out after {req.timeout_s:g}s; every process of this exec was killed\n"
+        stderr = result_stderr(caps["stderr"].buf.decode("utf-8", errors="replace"), sb.spec, req, oom, timed_out)
         return ExecResult(exit_code=code, stdout=caps["stdout"].buf.decode("utf-8", errors="replace"), stderr=stderr,
                           duration_ms=(time.perf_counter() - t0) * 1000, timed_out=timed_out,
                           truncated=caps["stdout"].truncated or caps["stderr"].truncated, oom_killed=oom,
                           signal=signal.SIGKILL if (timed_out or oom or code == 137) else None)
 
     # ------------------------------------------------------------------ sessions
-
-    async def _session_exec(self, sb: DockerSandbox, req: ExecRequest, on_chunk: ChunkCallback | None) -> ExecResult:
-        lock = sb.session_locks.setdefault(req.session, asyncio.Lock())
-        async with lock:
-            t0 = time.perf_counter()
-            session = sb.sessions.get(req.session)
-            if session is None or not session.alive:
-                if session is not None:
-                    self._close_session(sb, req.session)
-                session = await self._start_session(sb, req.session)
-            n = next(sb.seq)
-            script = f"c{n}"
-            text = req.cmd if isinstance(req.cmd, str) else " ".join(_shquote(a) for a in req.cmd)
-            with open(f"{sb.io}/{script}", "w") as f:
-                f.write(text + "\n")
-            stdin_path = None
-            if req.stdin:
-                with open(f"{sb.io}/i{n}", "wb") as f:
-                    f.write(req.stdin.encode())
-                stdin_path = f"{IO_MOUNT}/i{n}"
-            assert sb.cg is not None
-            oom_before = sb.cg.oom_kills()
-
-            async def kill() -> None:
-                await asyncio.to_thread(sb.cg.kill_group, session.group)
-
-            try:
-                res = await session.run(f"{IO_MOUNT}/{script}", stdin_path, req.cwd, dict(req.env), req.timeout_s,
-                                        req.max_output_bytes, on_chunk, kill)
-            finally:
-                for p in (f"{sb.io}/{script}", f"{sb.io}/i{n}"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(p)
-            stderr = res.stderr.decode("utf-8", errors="replace")
-            oom = res.ended and sb.cg.oom_kills() > oom_before
-            if res.ended:
-                self._close_session(sb, req.session)
-                sb.cg.remove_group(session.group)
-            if oom:
-                stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={sb.spec.memory_mb})\n"
-            if res.timed_out:
-                stderr += f"\ncorral: timed out after {req.timeout_s:g}s; session {req.session!r} was killed and will start afresh\n"
-            return ExecResult(exit_code=res.exit_code, stdout=res.stdout.decode("utf-8", errors="replace"), stderr=stderr,
-                              duration_ms=(time.perf_counter() - t0) * 1000, timed_out=res.timed_out,
-                              truncated=res.truncated, oom_killed=oom, signal=9 if res.timed_out or oom else None)
 
     async def _start_session(self, sb: DockerSandbox, name: str) -> Session:
         assert sb.cg is not None
@@ -568,28 +507,23 @@ class DockerSubstrate(Substrate):
     # ------------------------------------------------------------------ pause / usage / snapshot
 
     async def pause(self, sb: Sandbox) -> None:
-        from aiodocker.exceptions import DockerError
-
-        assert isinstance(sb, DockerSandbox)
-        if sb.paused:
-            return
-        try:
-            await sb.container.pause()
-        except DockerError as e:
-            raise _derr(e, f"pause {sb.id}") from None
-        sb.paused = True
+        await self._set_paused(sb, True)
 
     async def resume(self, sb: Sandbox) -> None:
+        await self._set_paused(sb, False)
+
+    async def _set_paused(self, sb: Sandbox, paused: bool) -> None:
+        """`docker pause` / `unpause` (the cgroup freezer), a no-op when already so."""
         from aiodocker.exceptions import DockerError
 
         assert isinstance(sb, DockerSandbox)
-        if not sb.paused:
+        if sb.paused == paused:
             return
         try:
-            await sb.container.unpause()
+            await (sb.container.pause() if paused else sb.container.unpause())
         except DockerError as e:
-            raise _derr(e, f"resume {sb.id}") from None
-        sb.paused = False
+            raise _derr(e, f"{'pause' if paused else 'resume'} {sb.id}") from None
+        sb.paused = paused
 
     async def usage(self, sb: Sandbox) -> Usage:
         assert isinstance(sb, DockerSandbox)
@@ -647,23 +581,24 @@ class DockerSubstrate(Substrate):
             sid = labels.get("corral.sandbox", "")
             seen.add(sid)
             sdir = f"{self.dir}/{sid}"
-            rec = _load_record(f"{sdir}/sandbox.json")
+            rec = load_record(f"{sdir}/sandbox.json", Record)
             running = c._container.get("State") in ("running", "paused")
             if rec is not None and running and rec.container_id == c.id:
                 sb = DockerSandbox(rec.info, rec.spec, c, c.id, sdir, rec.image_ref)
+                sb.layer_dir = rec.layer_dir
                 try:
                     await self._attach(sb)
                 except CorralError:
                     pass
                 else:
                     if sb.cg is not None:
-                        for g in sb.cg.exec_groups():
-                            if not sb.cg.remove_group(g):
-                                sb.lingering.add(g)
+                        adopt_exec_groups(sb.cg, sb.lingering)
                     adopted.append(sb)
                     report.adopted.append(sid)
                     continue
             await self._remove(c, None)
+            if rec is not None:
+                docker_disk.release(rec.layer_dir)
             shutil.rmtree(sdir, ignore_errors=True)
             report.cleaned.append(sid or c.id[:12])
         for sid in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
@@ -865,11 +800,3 @@ def _derr(e, what: str) -> CorralError:
     if e.status == 403:
         return Forbidden(msg)
     return Unavailable(msg)
-
-
-def _load_record(path: str) -> Record | None:
-    try:
-        with open(path, "rb") as f:
-            return msgspec.json.decode(f.read(), type=Record)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None

@@ -57,6 +57,7 @@ from ..layermounts import LayerMounts
 from ..aio import wait_readable as _wait_readable
 from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
+from .common import result_stderr
 from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, wait_pid
 
 log = logging.getLogger("corral.node.function")
@@ -269,12 +270,8 @@ class FunctionSubstrate(ContainerSubstrate):
             feeder.cancel()
         await reader.finish(grace=0.2)
         code, sig = _status(si)
-        stderr = reader.text("stderr")
         oom = sig == signal.SIGKILL and cg.oom_kills() > 0
-        if oom:
-            stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={spec.memory_mb})\n"
-        if timed_out:
-            stderr += f"\ncorral: timed out after {req.timeout_s:g}s; every process of this exec was killed\n"
+        stderr = result_stderr(reader.text("stderr"), spec, req, oom, timed_out)
         return ExecResult(exit_code=code, stdout=reader.text("stdout"), stderr=stderr,
                           duration_ms=(time.perf_counter() - t0) * 1000, timed_out=timed_out,
                           truncated=reader.truncated, oom_killed=oom, signal=sig)
@@ -384,11 +381,7 @@ class FunctionSubstrate(ContainerSubstrate):
         cg.destroy(timeout=10)
         # `runc delete` would do just this for a stopped container (its cgroup is gone already)
         shutil.rmtree(f"{self.runc_root}/{sid}", ignore_errors=True)
-        for mp in linux.mounted_under(sdir):
-            try:
-                linux.umount(mp)
-            except OSError:
-                linux.umount(mp, detach=True)
+        linux.umount_all(sdir)
         cg.destroy(timeout=1)
         # runc also made the container's group in a hybrid host's empty v2 tree (what `runc delete`
         # would remove; cgroups.V1_ALL does not list it)

@@ -1,0 +1,157 @@
+"""What the substrates whose sandboxes stay (`container`, `docker`) do alike, written once:
+the sandbox record beside its state dir, exit watching through the init's pidfd, adopting exec
+cgroups after a restart, the notes an exec result gets when it was OOM-killed or timed out, and
+named sessions (a long-lived `/bin/sh` per session name, sessions.py) run through scripts in the
+sandbox's io dir. Each substrate supplies only how a session shell starts and ends."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import secrets
+import shlex
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+
+from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+from .. import cgroups
+from ..sessions import Session
+from .base import ChunkCallback, Sandbox
+
+IO_MOUNT = "/.corral/io"  # where the sandbox sees its io dir (scripts and stdin of session execs)
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+class StayingSandbox(Sandbox):
+    """The state a sandbox that stays keeps for the helpers below: its io dir (host side of
+    IO_MOUNT), cgroup, init's pidfd, sessions and exec cgroup naming."""
+
+    def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups | None):
+        super().__init__(info, spec)
+        self.sdir = sdir
+        self.io = f"{sdir}/io"
+        self.cg = cg
+        self.pidfd: int | None = None
+        self.sessions: dict[str, Session] = {}
+        self.session_locks: dict[str, asyncio.Lock] = {}
+        # exec cgroup names carry a per-agent-run prefix so an adopted sandbox's lingering
+        # groups (background processes started before a restart) are never reused
+        self.seq = itertools.count(1)
+        self.epoch = secrets.token_hex(3)
+        self.paused = False
+        self.lingering: set[str] = set()
+
+
+def save_record(sdir: str, record: msgspec.Struct) -> None:
+    """Write `sandbox.json` atomically (a crash leaves the old record or the new, never half)."""
+    tmp = f"{sdir}/sandbox.json.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(record))
+    os.replace(tmp, f"{sdir}/sandbox.json")
+
+
+def load_record(path: str, typ: type[R]) -> R | None:
+    """The record at path, or None if it is missing or unreadable (the sandbox is then cleaned)."""
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=typ)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def watch_pidfd(sb: StayingSandbox, callback: Callable[[Any], None]) -> None:
+    """Call `callback(sb)` when the process behind `sb.pidfd` exits, unless a destroy has taken
+    the pidfd first (`unwatch_pidfd`)."""
+    if sb.pidfd is None:
+        return
+    loop = asyncio.get_running_loop()
+    fd = sb.pidfd
+
+    def fired() -> None:
+        loop.remove_reader(fd)
+        if sb.pidfd is not None:  # not a destroy in progress
+            callback(sb)
+
+    loop.add_reader(fd, fired)
+
+
+def unwatch_pidfd(sb: StayingSandbox) -> int | None:
+    """Stop watching and take the pidfd from the sandbox; the caller closes it."""
+    pidfd, sb.pidfd = sb.pidfd, None
+    if pidfd is not None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_reader(pidfd)
+    return pidfd
+
+
+def adopt_exec_groups(cg: cgroups.Cgroups, lingering: set[str]) -> None:
+    """After a restart: empty exec cgroups go now; those with processes (a server the agent
+    started must survive us) are remembered and swept on destroy."""
+    for group in cg.exec_groups():
+        if not cg.remove_group(group):
+            lingering.add(group)
+
+
+def result_stderr(stderr: str, spec: SandboxSpec, req: ExecRequest, oom: bool, timed_out: bool) -> str:
+    """stderr with corral's note on why the command was killed, if it was."""
+    if oom:
+        stderr += f"\ncorral: killed: the sandbox ran out of memory (memory_mb={spec.memory_mb})\n"
+    if timed_out:
+        what = (f"session {req.session!r} was killed and will start afresh" if req.session
+                else "every process of this exec was killed")
+        stderr += f"\ncorral: timed out after {req.timeout_s:g}s; {what}\n"
+    return stderr
+
+
+async def session_exec(sb: StayingSandbox, req: ExecRequest, on_chunk: ChunkCallback | None,
+                       start: Callable[[], Awaitable[Session]], end: Callable[[str], None]) -> ExecResult:
+    """Run `req` in the sandbox's session `req.session`, starting it (`start()`) when it does not
+    exist or has died; a session whose shell ended (exit, timeout, OOM) is ended (`end(name)`)
+    and its cgroup removed, so the next exec starts it afresh."""
+    lock = sb.session_locks.setdefault(req.session, asyncio.Lock())
+    async with lock:
+        t0 = time.perf_counter()
+        session = sb.sessions.get(req.session)
+        if session is None or not session.alive:
+            if session is not None:
+                end(req.session)
+            session = await start()
+            sb.sessions[req.session] = session
+        n = next(sb.seq)
+        script = f"c{n}"
+        text = req.cmd if isinstance(req.cmd, str) else " ".join(shlex.quote(a) for a in req.cmd)
+        with open(f"{sb.io}/{script}", "w") as f:
+            f.write(text + "\n")
+        stdin_path = None
+        if req.stdin:
+            with open(f"{sb.io}/i{n}", "wb") as f:
+                f.write(req.stdin.encode())
+            stdin_path = f"{IO_MOUNT}/i{n}"
+        cg = sb.cg
+        assert cg is not None
+        oom_before = cg.oom_kills()
+
+        async def kill() -> None:
+            await asyncio.to_thread(cg.kill_group, session.group)
+
+        try:
+            res = await session.run(f"{IO_MOUNT}/{script}", stdin_path, req.cwd, dict(req.env), req.timeout_s,
+                                    req.max_output_bytes, on_chunk, kill)
+        finally:
+            for p in (f"{sb.io}/{script}", f"{sb.io}/i{n}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+        oom = res.ended and cg.oom_kills() > oom_before
+        if res.ended:
+            end(req.session)
+            cg.remove_group(session.group)
+        stderr = result_stderr(res.stderr.decode("utf-8", errors="replace"), sb.spec, req, oom, res.timed_out)
+        return ExecResult(exit_code=res.exit_code, stdout=res.stdout.decode("utf-8", errors="replace"), stderr=stderr,
+                          duration_ms=(time.perf_counter() - t0) * 1000, timed_out=res.timed_out,
+                          truncated=res.truncated, oom_killed=oom, signal=9 if res.timed_out or oom else None)

@@ -1,0 +1,160 @@
+"""`corral.v1.sandbox.run` at most once per `spec.request_id`.
+
+A client whose reply was lost retries with the same request_id; the command must not run twice
+(an agent's step, a grader's submission). The first attempt claims the id in the requests KV
+bucket (`kv.create`, atomic across scheduler replicas) with a `running` entry and, once the node
+has answered, replaces it with a `done` entry holding the reply. A duplicate (a retry, or a
+concurrent copy reaching another replica) finds the entry and waits for `done`, then answers with
+the stored reply, its result marked `replayed`. The bucket's TTL (24 h) bounds how long a reply is
+kept.
+
+What counts as "ran": a reply from a node (success or the node's error) is the outcome. Errors
+before any node took the call (no room anywhere, no node answering) delete the claim, so a
+retry runs it. A node that never answered leaves the outcome unknown (the command may have run):
+that is stored as a `timeout` outcome, not run again. A scheduler that dies mid-run leaves a
+`running` entry whose deadline passes; duplicates then get that same `timeout` answer. The same
+request_id with a different request is `conflict`."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from corral_common import metrics
+from corral_common.errors import Code, Conflict, CorralError
+from corral_common.messages import encoder
+
+REPLAYS = metrics.counter("corral_scheduler_run_replays_total", "Runs answered from an earlier attempt with the same request_id", ())
+UNKNOWN_OUTCOME_GRACE_S = 5.0
+
+
+class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    state: Literal["running", "done"]
+    digest: str
+    deadline: float = 0.0  # running: after this the attempt is presumed lost
+    reply: msgspec.Raw = msgspec.Raw(b"null")  # done: the reply as sent to the first caller
+
+
+class BeforeRun(CorralError):
+    """Wraps an error raised before any node took the call: the claim is released for a retry."""
+
+    def __init__(self, err: CorralError):
+        super().__init__(err.message, err.code, err.retry_after_s)
+        self.err = err
+
+
+def digest_of(request: msgspec.Struct) -> str:
+    """What identifies the request behind a request_id: every field, defaults included (a client
+    that spells out a default sends the same request as one that leaves it out)."""
+    def canon(x):
+        if isinstance(x, msgspec.Struct):
+            return {f: canon(getattr(x, f)) for f in x.__struct_fields__}
+        if isinstance(x, dict):
+            return {k: canon(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [canon(v) for v in x]
+        return x
+
+    return hashlib.sha256(msgspec.json.encode(canon(request), order="sorted")).hexdigest()[:32]
+
+
+def key_of(request_id: str) -> str:
+    return "u" + hashlib.sha256(request_id.encode()).hexdigest()[:40]
+
+
+def _exists(e: Exception) -> bool:
+    return isinstance(e, KeyWrongLastSequenceError) or "wrong last sequence" in str(e).lower() or "key exists" in str(e).lower()
+
+
+def _error_reply(e: CorralError) -> bytes:
+    err: dict = {"code": e.code.value, "message": e.message}
+    if e.retry_after_s is not None:
+        err["retry_after_s"] = e.retry_after_s
+    return encoder.encode({"ok": False, "error": err})
+
+
+def _replayed(reply: bytes) -> bytes:
+    """The stored reply with `result.replayed` set, so the caller can tell."""
+    try:
+        d = msgspec.json.decode(reply)
+    except msgspec.DecodeError:
+        return reply
+    if isinstance(d, dict) and d.get("ok") and isinstance(d.get("result"), dict):
+        d["result"]["replayed"] = True
+        return encoder.encode(d)
+    return reply
+
+
+class RunOnce:
+    def __init__(self, kv):
+        self.kv = kv
+
+    async def run(self, request_id: str, request: msgspec.Struct, wait_s: float, fn: Callable[[], Awaitable[bytes]]) -> bytes:
+        """`fn()` once for this request_id; its reply, or the first attempt's (marked replayed).
+        `fn` raises BeforeRun for errors that leave nothing run; any other CorralError is the
+        outcome (stored); other exceptions leave the claim to expire."""
+        key = key_of(request_id)
+        digest = digest_of(request)
+        while True:
+            claim = Entry(state="running", digest=digest, deadline=time.time() + wait_s)
+            try:
+                await self.kv.create(key, encoder.encode(claim))
+            except Exception as e:
+                if not _exists(e):
+                    raise
+                reply = await self._wait(key, request_id, digest)
+                if reply is None:
+                    continue  # the earlier attempt ended before running anything: ours to run
+                REPLAYS.inc()
+                return _replayed(reply)
+            try:
+                reply = await fn()
+            except BeforeRun as e:
+                try:
+                    await self.kv.delete(key)
+                except Exception:
+                    pass
+                raise e.err from None
+            except CorralError as e:
+                await self._store(key, digest, _error_reply(e))
+                raise
+            await self._store(key, digest, reply)
+            return reply
+
+    async def _store(self, key: str, digest: str, reply: bytes) -> None:
+        try:
+            await self.kv.put(key, encoder.encode(Entry(state="done", digest=digest, reply=msgspec.Raw(reply))))
+        except Exception as e:  # too large for the bus, or JetStream trouble: keep what retries must know
+            note = CorralError(f"an earlier attempt with this request_id ran, but its reply ({len(reply)} bytes) could not be "
+                               f"kept for retries ({e}); it is not run again", Code.CONFLICT)
+            try:
+                await self.kv.put(key, encoder.encode(Entry(state="done", digest=digest, reply=msgspec.Raw(_error_reply(note)))))
+            except Exception:
+                pass
+
+    async def _wait(self, key: str, request_id: str, digest: str) -> bytes | None:
+        """The stored reply once the attempt holding the claim is done; None if it released it."""
+        delay = 0.005
+        while True:
+            try:
+                e = await self.kv.get(key)
+            except KeyNotFoundError:
+                return None
+            if e is None or not e.value:
+                return None
+            entry = msgspec.json.decode(e.value, type=Entry)
+            if entry.digest != digest:
+                raise Conflict(f"request_id {request_id!r} was already used for a different run request; "
+                               f"use a new request_id for a new command")
+            if entry.state == "done":
+                return bytes(entry.reply)
+            if time.time() > entry.deadline + UNKNOWN_OUTCOME_GRACE_S:
+                raise CorralError(f"an earlier attempt with request_id {request_id!r} did not finish by its deadline; its outcome "
+                                  f"is unknown (the command may have run), so it is not run again", Code.TIMEOUT)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
