@@ -58,6 +58,24 @@ async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None,
         return await js.key_value(bucket)
 
 
+async def kv_keys(kv: KeyValue, attempts: int = 3) -> list[str]:
+    """Every key of a bucket. nats-py raises NoKeysError for an empty bucket (that is []), and a
+    listing can time out under load: it is retried, then reported as `unavailable` rather than
+    passed off as an empty bucket."""
+    from nats.js.errors import NoKeysError
+
+    err: Exception | None = None
+    for attempt in range(attempts):
+        try:
+            return list(await kv.keys())
+        except NoKeysError:
+            return []
+        except Exception as e:
+            err = e
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise CorralError(f"cannot list KV bucket keys: {err}", Code.UNAVAILABLE)
+
+
 def decode(data: bytes, typ: type[T]) -> T:
     """Decode a request; malformed JSON or wrong types become `invalid_request` with msgspec's
     message, which names the offending field (`Expected `float` >= 0 - at `$.cpu``)."""

@@ -335,10 +335,9 @@ class Catalog:
             raise Internal(f"manifest of image {name!r} is malformed: {err}") from None
 
     async def image_names(self) -> list[str]:
-        try:
-            return sorted(await self.images.keys())
-        except Exception:
-            return []
+        from .bus import kv_keys
+
+        return sorted(await kv_keys(self.images))
 
     async def put_image(self, m: ImageManifest) -> None:
         await self.images.put(m.name, msgspec.json.encode(m))

@@ -5,17 +5,16 @@ racing on the next version of one name never both take it; a failed build releas
 stored includes the protected content (hidden tests, solution); only EnvRecord leaves the builder."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Literal
 
 import msgspec
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from corral_common import bus, subjects
 from corral_common.envs import EnvRecord, Solution
-from corral_common.errors import Conflict, NotFound, Unavailable
+from corral_common.errors import Conflict, NotFound
 
 STALE_BUILD_S = 3 * 3600  # a reservation older than this belongs to a builder that died mid-build
 
@@ -46,15 +45,7 @@ class EnvCatalog:
         return cls(await bus.ensure_kv(js, subjects.KV_ENVS, history=1))
 
     async def _keys(self) -> list[str]:
-        for attempt in range(3):
-            try:
-                return [k for k in await self.kv.keys() if not k.endswith("._latest")]
-            except NoKeysError:
-                return []
-            except Exception as e:  # a slow listing under load: try again, then say so
-                err = e
-                await asyncio.sleep(0.2 * (attempt + 1))
-        raise Unavailable(f"cannot list the environment catalog: {err}")
+        return [k for k in await bus.kv_keys(self.kv) if not k.endswith("._latest")]
 
     async def _entry(self, k: str) -> StoredEnv | None:
         try:
