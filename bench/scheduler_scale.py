@@ -35,7 +35,33 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
+def start_profiles(pids: dict[str, int], out_dir: str) -> list:
+    """py-spy (if installed) sampling each process while the rounds run: raw folded stacks."""
+    import signal
+    import subprocess
+
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        print("py-spy not found: no profiles", file=sys.stderr)
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    procs = [subprocess.Popen([spy, "record", "-p", str(pid), "-f", "raw", "-r", "200", "--nonblocking", "-o",
+                               os.path.join(out_dir, f"{name}.folded")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, pid in pids.items()]
+    return [(p, signal.SIGINT) for p in procs]
+
+
+def stop_profiles(procs: list) -> None:
+    for p, sig in procs:
+        p.send_signal(sig)
+    for p, _ in procs:
+        try:
+            p.wait(timeout=30)
+        except Exception:
+            p.kill()
+
+
+async def run(n_nodes: int, live: int, batch: int, rounds: int, profile: str = "") -> dict:
     data = tempfile.mkdtemp(prefix="crl-bench-sched-", dir="/tmp")
     stack = Stack(data_dir=data, nodes=0, nats_port=free_port(), image_dir=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))
     await stack.start(timeout=120)
@@ -52,8 +78,8 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
             n = SimNode(conns[i % len(conns)], f"sim-{i:04d}", cpu=32.0, memory_mb=1_000_000, sandboxes=10_000, cpu_overcommit_max=8.0)
             for j in range(per):
                 sid = f"sb-{i:04d}{j:08x}"
-                n.sandboxes[sid] = SandboxInfo(id=sid, node=n.name, state="running", substrate="container", image="busybox",
-                                               created_at=now, expires_at=now + 86400, job=f"bg-{j % 20}", cpu=0.05, memory_mb=64)
+                n.add(SandboxInfo(id=sid, node=n.name, state="running", substrate="container", image="busybox",
+                                               created_at=now, expires_at=now + 86400, job=f"bg-{j % 20}", cpu=0.05, memory_mb=64))
             nodes.append(n)
         t0 = time.perf_counter()
         await asyncio.gather(*(n.start(interval=2.0) for n in nodes))
@@ -76,11 +102,16 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
         # placements: two jobs placing batches at once
         nc = conns[0]
         rates = []
+        run_id = os.urandom(4).hex()
+        spies = start_profiles({"scheduler": sched_pid, "bench": os.getpid()}, profile) if profile else []
+        await asyncio.sleep(1.0 if spies else 0)
         per_job = {"job-a": 0, "job-b": 0}
         failed = 0
         for r in range(rounds):
             async def one(job: str):
-                body = json.dumps({"spec": {"image": "busybox", "cpu": 0.01, "memory_mb": 16, "job": job}, "count": batch}).encode()
+                # with a request_id, as a trainer that retries would send it (idempotent batches)
+                spec = {"image": "busybox", "cpu": 0.01, "memory_mb": 16, "job": job, "request_id": f"bench-{job}-{r}-{run_id}"}
+                body = json.dumps({"spec": spec, "count": batch}).encode()
                 msg = await nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=600)
                 return job, json.loads(msg.data)
 
@@ -94,6 +125,7 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int) -> dict:
                 placed += got
                 failed += len(rep.get("failed", [])) if rep.get("ok") else batch
             rates.append(placed / dt)
+        stop_profiles(spies)
         out["placements_per_s"] = {"rounds": [round(x) for x in rates], "median": round(sorted(rates)[len(rates) // 2])}
         out["fairness"] = {"placed_by_job": per_job, "ratio": round(min(per_job.values()) / max(1, max(per_job.values())), 3), "failed": failed}
         out["scheduler_rss_mb"]["after"] = round(rss_mb(sched_pid), 1)
@@ -133,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--live", type=int, default=380_000)
     ap.add_argument("--batch", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", default="", help="directory for py-spy profiles of the scheduler and this process")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
-    res = asyncio.run(run(args.nodes, args.live, args.batch, args.rounds))
+    res = asyncio.run(run(args.nodes, args.live, args.batch, args.rounds, args.profile))
     res["machine"] = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "scheduler_scale.json"), "w") as f:
