@@ -43,7 +43,10 @@ class SandboxSpec(Request, kw_only=True):
     placement: Literal["spread", "pack"] = "spread"
 
 
-class SandboxInfo(Struct, kw_only=True, omit_defaults=True):
+class SandboxInfo(Struct, kw_only=True, omit_defaults=True, gc=False):
+    """(gc=False: holds no reference cycles; a scheduler keeps hundreds of thousands of these, which
+    the cycle collector would otherwise walk again and again.)"""
+
     id: str
     node: str
     state: SandboxState

@@ -84,6 +84,7 @@ class Scheduler:
         self.registry = Registry(cfg.stale_after_s)
         self.policy = Policy(cpu_overcommit=cfg.cpu_overcommit, hot_cpu=cfg.hot_cpu, memory_headroom=cfg.memory_headroom)
         self.placed: dict[str, SandboxInfo] = {}
+        self.by_node: dict[str, set[str]] = {}  # node -> ids of its placements
         self.totals = JobTotals()
         self.quotas: dict[str, JobQuota] = {}
         self.kv_node_put: dict[str, float] = {}
@@ -166,8 +167,9 @@ class Scheduler:
         now = time.monotonic()
         if now - self.kv_node_put.get(hb.node, 0.0) >= 5.0 or hb.stopping:
             self.kv_node_put[hb.node] = now
-            try:
-                await self.kv_nodes.put(hb.node, msg.data)
+            try:  # a plain publish into the bucket's stream: waiting for each ack here would queue
+                # the heartbeats behind KV round trips until nodes looked stale (and were declared lost)
+                await self.nc.publish(f"$KV.{subjects.KV_NODES}.{hb.node}", msg.data)
             except Exception:
                 pass
 
@@ -186,7 +188,8 @@ class Scheduler:
                 if node in lost or st.hb.stopping:
                     continue
                 lost.add(node)
-                victims = [i for i in self.placed.values() if i.node == node]
+                # by the per-node index: scanning 380,000 placements per lost node stalls the loop
+                victims = [self.placed[sid] for sid in list(self.by_node.get(node, ())) if sid in self.placed]
                 logs.kv(log, logging.WARNING, "node lost", node=node, sandboxes=len(victims))
                 await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
                 for info in victims:
@@ -263,15 +266,28 @@ class Scheduler:
         old = self.placed.get(info.id)
         self.placed[info.id] = info
         if old is not None:
+            if old.node != info.node:
+                self._by_node_discard(old)
+                self.by_node.setdefault(info.node, set()).add(info.id)
             if old.job == info.job and old.cpu == info.cpu and old.memory_mb == info.memory_mb:
                 return  # the same sandbox seen again (reply, then the KV watch): totals unchanged
             self.totals.add(old, -1)
+        else:
+            self.by_node.setdefault(info.node, set()).add(info.id)
         self.totals.add(info)
 
     def _unplace(self, sid: str) -> None:
         old = self.placed.pop(sid, None)
         if old is not None:
             self.totals.add(old, -1)
+            self._by_node_discard(old)
+
+    def _by_node_discard(self, info: SandboxInfo) -> None:
+        ids = self.by_node.get(info.node)
+        if ids is not None:
+            ids.discard(info.id)
+            if not ids:
+                del self.by_node[info.node]
 
     async def _watch_placements(self) -> None:
         async for e in self.watcher:
