@@ -25,6 +25,7 @@ from corral_common.messages import BatchProgress, SandboxSpec, encoder
 from .registry import NodeState, Policy
 
 NODE_BATCH_MAX = 256  # items per node request: bounds its size and its time on a real node
+SPREAD_QUANTUM = 0.01  # spread hands out items in steps of this share of a node's room
 
 
 def item_id(request_id: str, index: int) -> str:
@@ -57,10 +58,12 @@ def slots(st: NodeState, spec: SandboxSpec, policy: Policy) -> int:
 
 
 def plan(nodes: list[NodeState], spec: SandboxSpec, count: int, policy: Policy) -> list[tuple[NodeState, int]]:
-    """Spread items over nodes: `spread` gives each next item to the node with the largest free
+    """Spread items over nodes: `spread` gives the next items to the node with the largest free
     share of its scarcest resource after what it was already given (water-filling, so a batch
-    lands evenly); `pack` fills the fullest nodes that fit first. Returns (node, items) pairs whose
-    items add up to at most `count` (less when the cluster has less room)."""
+    lands evenly), in quanta of 1% of the node's whole room for this spec (so nodes end within 1%
+    of each other, and a batch of 5,000 on a thousand big nodes is ~50 node requests, not 1,000);
+    `pack` fills the fullest nodes that fit first. Returns (node, items) pairs whose items add up
+    to at most `count` (less when the cluster has less room)."""
     room = [(st, k) for st in nodes if (k := slots(st, spec, policy)) > 0]
     if not room or count <= 0:
         return []
@@ -85,17 +88,19 @@ def plan(nodes: list[NodeState], spec: SandboxSpec, count: int, policy: Policy) 
         cpu, mem, n = st.free(policy)
         cap = st.hb.capacity
         dc, dm, dn = max(st.cpu_ceiling(policy), 1e-9), max(cap.memory_mb, 1), max(cap.sandboxes, 1)
-        base.append((cpu, mem, n, dc, dm, dn, k))
+        quantum = max(1, int(SPREAD_QUANTUM * min(dc / cpu_c, dm / mem_c, dn)))
+        base.append((cpu, mem, n, dc, dm, dn, k, quantum))
         heap.append((-min(cpu / dc, mem / dm, n / dn), idx))
     heapq.heapify(heap)
     given = [0] * len(room)
     left = count
     while left and heap:
         _, idx = heapq.heappop(heap)
-        given[idx] += 1
-        left -= 1
+        cpu, mem, n, dc, dm, dn, k, quantum = base[idx]
+        take = min(quantum, left, k - given[idx])
+        given[idx] += take
+        left -= take
         g = given[idx]
-        cpu, mem, n, dc, dm, dn, k = base[idx]
         if g < k:
             heapq.heappush(heap, (-min((cpu - g * cpu_c) / dc, (mem - g * mem_c) / dm, (n - g) / dn), idx))
     return [(room[i][0], g) for i, g in enumerate(given) if g]
