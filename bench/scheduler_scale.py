@@ -37,6 +37,13 @@ class _Reply(msgspec.Struct):
     error: dict | None = None
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (load-independent, unlike wall-clock rates)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -132,6 +139,8 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int, profile: str = "
         nc = conns[0]
         rates = []
         run_id = os.urandom(4).hex()
+        pids = {"scheduler": sched_pid, "nats_server": stack.proc("nats-server").popen.pid, "bench_and_sim_nodes": os.getpid()}
+        cpu0 = {k: cpu_s(p) for k, p in pids.items()}
         spies = start_profiles({"scheduler": sched_pid, "bench": os.getpid()}, profile) if profile else []
         await asyncio.sleep(1.0 if spies else 0)
         per_job = {"job-a": 0, "job-b": 0}
@@ -154,8 +163,16 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int, profile: str = "
                 placed += got
                 failed += len(rep.failed) if rep.ok else batch
             rates.append(placed / dt)
+        cpu_used = {k: cpu_s(p) - cpu0[k] for k, p in pids.items()}
         stop_profiles(spies)
+        total = sum(per_job.values())
+        # CPU per placement is what the machine's load does not change much: the wall-clock rate
+        # above depends on how many of the 2 cores the other tenants leave free
+        out["cpu_us_per_placement"] = {k: round(v / max(1, total) * 1e6, 1) for k, v in cpu_used.items()}
+        out["scheduler_placements_per_cpu_s"] = round(total / max(1e-9, cpu_used["scheduler"]))
         out["placements_per_s"] = {"rounds": [round(x) for x in rates], "median": round(sorted(rates)[len(rates) // 2])}
+        out["node_requests"] = sum(n.batches for n in nodes)
+        out["node_items"] = sum(n._seen for n in nodes)
         out["nodes_declared_lost"] = len(lost)  # must be 0: a loaded machine that misses heartbeats spoils the run
         out["fairness"] = {"placed_by_job": per_job, "ratio": round(min(per_job.values()) / max(1, max(per_job.values())), 3), "failed": failed}
         out["scheduler_rss_mb"]["after"] = round(rss_mb(sched_pid), 1)
