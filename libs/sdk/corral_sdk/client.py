@@ -131,7 +131,8 @@ class AsyncClient:
                                  progress: Callable[[BatchProgress], Any] | None = None, batch_id: str | None = None,
                                  **kw: Any) -> _Reply:
         """create_batch, answering the whole reply: `.sandboxes`, `.failed` ([{index, code, message}])
-        and `.raw["batch_id"]`."""
+        and `.raw["batch_id"]`; `.raw["truncated"]` counts sandboxes made but left out of a reply too
+        large for the bus (list them by job or labels)."""
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
         if progress is None:
             req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)

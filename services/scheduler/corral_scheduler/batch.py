@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from corral_common import subjects
-from corral_common.messages import BatchProgress, SandboxSpec, encoder
+from corral_common.messages import BatchProgress, SandboxInfo, SandboxSpec, encoder, ok
 
 from .registry import NodeState, Policy
 
@@ -104,6 +104,24 @@ def plan(nodes: list[NodeState], spec: SandboxSpec, count: int, policy: Policy) 
         if g < k:
             heapq.heappush(heap, (-min((cpu - g * cpu_c) / dc, (mem - g * mem_c) / dm, (n - g) / dn), idx))
     return [(room[i][0], g) for i, g in enumerate(given) if g]
+
+
+def reply(batch_id: str, made: list[SandboxInfo], failed: list[dict], limit: int) -> bytes:
+    """The create_batch reply, cut to the bus's payload limit: a reply that does not fit is never
+    delivered, so when every SandboxInfo does not fit (tens of thousands of sandboxes with long
+    labels), the reply keeps every failure and as many sandboxes as fit, and says how many it left
+    out (`truncated`); those are listed by `corral.v1.sandbox.list` (by job or labels)."""
+    body = ok(batch_id=batch_id, sandboxes=made, failed=failed)
+    if len(body) <= limit or not made:
+        return body
+    per = (len(body) - len(ok(batch_id=batch_id, sandboxes=[], failed=failed))) / len(made)
+    n = max(0, int((limit - (len(body) - per * len(made)) - 64) / per))
+    while n > 0:
+        body = ok(batch_id=batch_id, sandboxes=made[:n], failed=failed, truncated=len(made) - n)
+        if len(body) <= limit:
+            return body
+        n = int(n * 0.95)
+    return ok(batch_id=batch_id, sandboxes=[], failed=failed[: max(0, limit // 200)], truncated=len(made))
 
 
 class Progress:

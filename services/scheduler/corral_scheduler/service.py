@@ -517,7 +517,7 @@ class Scheduler:
         if not made:
             first = failed[0]
             raise from_code(first["code"], f"none of the {req.count} sandboxes could be created: {first['message']}")
-        return ok(batch_id=batch_id, sandboxes=made, failed=failed)
+        return batch.reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
 
     async def _batch_record(self, rid: str) -> batch.BatchRecord | None:
         try:
