@@ -46,3 +46,57 @@ def test_stale_and_stopping_nodes_are_not_alive():
     h.stopping = True
     r2.heartbeat(h)
     assert r2.alive() == []
+
+
+def test_batch_plan_spreads_by_free_share_within_each_nodes_room():
+    from corral_scheduler.batch import plan
+    from corral_scheduler.registry import Policy
+
+    r = Registry()
+    r.heartbeat(hb("empty", mem=1000))
+    r.heartbeat(hb("half", mem=1000, used_mem=500))
+    r.heartbeat(hb("docker", mem=1000, substrates=("docker",)))
+    got = {st.hb.node: k for st, k in plan(r.alive(), SandboxSpec(memory_mb=100, cpu=0.1), 6, Policy())}
+    # water-filling: the empty node until it is as full as the other, then both evenly; nothing on
+    # a node without the substrate
+    assert got in ({"empty": 6}, {"empty": 5, "half": 1})
+    got = {st.hb.node: k for st, k in plan(r.alive(), SandboxSpec(memory_mb=100, cpu=0.1), 9, Policy())}
+    assert got == {"empty": 7, "half": 2}
+    got = {st.hb.node: k for st, k in plan(r.alive(), SandboxSpec(memory_mb=100, cpu=0.1), 100, Policy())}
+    assert got == {"empty": 10, "half": 5}  # capped by each node's room; the caller fails the rest
+
+
+def test_batch_plan_pack_fills_the_fullest_first_and_skips_hot_nodes():
+    from corral_scheduler.batch import plan, slots
+    from corral_scheduler.registry import Policy
+
+    r = Registry()
+    r.heartbeat(hb("empty", mem=1000))
+    r.heartbeat(hb("half", mem=1000, used_mem=500))
+    hot = hb("hot", mem=1000)
+    hot.usage.cpu = 15.9
+    r.heartbeat(hot)
+    spec = SandboxSpec(memory_mb=100, cpu=0.1, placement="pack")
+    assert slots(r.nodes["hot"], spec, Policy()) == 0
+    got = [(st.hb.node, k) for st, k in plan(r.alive(), spec, 7, Policy())]
+    assert got == [("half", 5), ("empty", 2)]
+    r.nodes["half"].reservations.append(Reservation(cpu=0.3, memory_mb=300, n=3))
+    assert slots(r.nodes["half"], spec, Policy()) == 2  # a batch's reservation counts all its sandboxes
+
+
+def test_batch_reply_fits_the_payload_limit():
+    import json
+
+    from corral_common.messages import SandboxInfo
+    from corral_scheduler.batch import reply
+
+    made = [SandboxInfo(id=f"sb-{i:012x}", node="n1", state="running", substrate="container", image="busybox", created_at=1.0,
+                        expires_at=2.0, job="j", labels={"k": "v" * 50}) for i in range(1000)]
+    failed = [{"index": 1000 + i, "code": "capacity", "message": "full"} for i in range(10)]
+    whole = json.loads(reply("b1", made, failed, limit=10_000_000))
+    assert len(whole["sandboxes"]) == 1000 and "truncated" not in whole
+    cut = reply("b1", made, failed, limit=50_000)
+    r = json.loads(cut)
+    assert len(cut) <= 50_000 and r["ok"] is True and r["failed"] == failed
+    assert 0 < len(r["sandboxes"]) < 1000 and r["truncated"] == 1000 - len(r["sandboxes"])
+    assert [s["id"] for s in r["sandboxes"]] == [m.id for m in made[: len(r["sandboxes"])]]

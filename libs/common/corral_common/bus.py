@@ -149,3 +149,86 @@ class Responder:
             await self.unserve(key)
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout)
+
+
+def no_responders(msg: Msg) -> bool:
+    return bool(msg.headers) and msg.headers.get("Status") == "503"
+
+
+class Scatter:
+    """Many requests at once, replies handled as they arrive.
+
+    `nc.request` costs a future, a timer and a task per request; sending a thousand at a time
+    (a batch spread over a thousand nodes, or a thousand KV writes) spends more time in that than
+    in the work. Here one wildcard inbox subscription serves every call: each request is a plain
+    publish with a reply subject `<inbox>.<call>.<index>`, and the caller iterates over
+    `(index, reply)` pairs, `reply` None for requests unanswered when the timeout ends. A reply
+    may be a no-responders status (see `no_responders`)."""
+
+    def __init__(self, nc: NATS):
+        self.nc = nc
+        self.prefix = ""
+        self.sub = None
+        self.calls: dict[str, _Call] = {}
+        self._n = 0
+
+    async def start(self) -> Scatter:
+        self.prefix = self.nc.new_inbox()
+        self.sub = await self.nc.subscribe(f"{self.prefix}.>", cb=self._on_reply)
+        return self
+
+    async def _on_reply(self, msg: Msg) -> None:
+        _, _, tail = msg.subject.rpartition(self.prefix + ".")
+        call, _, idx = tail.partition(".")
+        st = self.calls.get(call)
+        if st is not None and idx.isdigit():
+            st.got.append((int(idx), msg))
+            st.wake()
+
+    async def requests(self, reqs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float):
+        """Send every (subject, data, headers) request, then yield (index, Msg | None)."""
+        if self.sub is None:
+            await self.start()
+        self._n += 1
+        call = str(self._n)
+        st = _Call()
+        self.calls[call] = st
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(timeout, st.expire)  # one timer per call, not per request
+        try:
+            for k, (subject, data, headers) in enumerate(reqs):
+                await self.nc.publish(subject, data, reply=f"{self.prefix}.{call}.{k}", headers=headers)
+            left = [True] * len(reqs)
+            n_left = len(reqs)
+            while n_left and not st.expired:
+                if not st.got:
+                    st.waiter = loop.create_future()
+                    await st.waiter
+                    continue
+                got, st.got = st.got, []
+                for k, msg in got:
+                    if 0 <= k < len(left) and left[k]:
+                        left[k] = False
+                        n_left -= 1
+                        yield k, msg
+            for k, pending in enumerate(left):
+                if pending:
+                    yield k, None
+        finally:
+            timer.cancel()
+            self.calls.pop(call, None)
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.got: list[tuple[int, Msg]] = []
+        self.waiter: asyncio.Future | None = None
+        self.expired = False
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def expire(self) -> None:
+        self.expired = True
+        self.wake()

@@ -43,7 +43,10 @@ class SandboxSpec(Request, kw_only=True):
     placement: Literal["spread", "pack"] = "spread"
 
 
-class SandboxInfo(Struct, kw_only=True, omit_defaults=True):
+class SandboxInfo(Struct, kw_only=True, omit_defaults=True, gc=False):
+    """(gc=False: holds no reference cycles; a scheduler keeps hundreds of thousands of these, which
+    the cycle collector would otherwise walk again and again.)"""
+
     id: str
     node: str
     state: SandboxState
@@ -69,9 +72,32 @@ class RunSpec(SandboxSpec, kw_only=True):
         return SandboxSpec(**msgspec.structs.asdict(self))
 
 
+BatchId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
 class CreateBatchRequest(Request, kw_only=True):
+    """`spec.request_id` makes the batch idempotent: item i gets a sandbox id derived from it, so a
+    retry (after a timeout or a scheduler replica dying mid-batch) returns the same sandboxes and
+    places only what is missing. `batch_id` names the progress events
+    (`corral.events.batch.<batch_id>.progress|done`); default: derived from the request_id, else new."""
+
     spec: SandboxSpec
     count: Annotated[int, Meta(ge=1, le=100_000)]
+    batch_id: BatchId | None = None
+
+
+class BatchProgress(Struct, kw_only=True):
+    """`corral.events.batch.<batch_id>.progress` (every `every` items or `interval_s` while a batch
+    runs) and `.done` (once, last): counts so far out of `total`."""
+
+    batch_id: str
+    total: int
+    placed: int
+    failed: int
+    done: bool
+    ts: float
+    job: str = ""
+    request_id: str = ""
 
 
 class ListRequest(Request, kw_only=True):
@@ -255,6 +281,21 @@ class Heartbeat(Struct, kw_only=True):
 class NodeCreate(Struct, kw_only=True):
     sandbox_id: str
     spec: SandboxSpec
+
+
+class NodeCreateBatch(Struct, kw_only=True):
+    """scheduler -> `corral.node.<node>.create_batch`: several creates in one request; the reply is
+    `{"ok": true, "results": [NodeItemResult, ...]}`, one per item, in order."""
+
+    items: Annotated[list[NodeCreate], Meta(min_length=1, max_length=4096)]
+
+
+class NodeItemResult(Struct, kw_only=True, omit_defaults=True):
+    """One item of a node batch reply: what a single create would have answered."""
+
+    ok: bool
+    sandbox: SandboxInfo | None = None
+    error: ErrorBody | None = None
 
 
 class NodeRun(Struct, kw_only=True):

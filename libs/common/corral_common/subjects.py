@@ -40,6 +40,10 @@ def node_create(node: str) -> str:
     return f"corral.node.{node}.create"
 
 
+def node_create_batch(node: str) -> str:
+    return f"corral.node.{node}.create_batch"
+
+
 def node_run(node: str) -> str:
     return f"corral.node.{node}.run"
 
@@ -57,6 +61,11 @@ def event(sandbox_id: str, kind: str) -> str:
 
 def node_event(node: str, kind: str) -> str:
     return f"corral.events.node.{node}.{kind}"
+
+
+def batch_event(batch_id: str, kind: str) -> str:
+    """`progress` while a create_batch runs, `done` once at its end (see messages.BatchProgress)."""
+    return f"corral.events.batch.{batch_id}.{kind}"
 
 
 def audit(node: str, sandbox_id: str) -> str:

@@ -2,8 +2,10 @@
 the contract's Structs and error replies become typed exceptions."""
 from __future__ import annotations
 
+import asyncio
 import base64
-from collections.abc import AsyncIterator
+import inspect
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -15,7 +17,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from corral_common import config, subjects
 from corral_common.errors import InvalidRequest, NotFound, Timeout, Unavailable, from_code
 from corral_common.messages import (
-    CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder,
+    BatchProgress, CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder, new_id,
 )
 
 
@@ -115,10 +117,51 @@ class AsyncClient:
 
         return Trajectories(self)
 
-    async def create_batch(self, count: int, image: str = "busybox", substrate: str = "container", *, timeout: float = 300.0, **kw: Any) -> list[AsyncSandbox]:
-        spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
-        r = await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(CreateBatchRequest(spec=spec, count=count)), timeout)
+    async def create_batch(self, count: int, image: str = "busybox", substrate: str = "container", *, timeout: float = 300.0,
+                           progress: Callable[[BatchProgress], Any] | None = None, batch_id: str | None = None,
+                           **kw: Any) -> list[AsyncSandbox]:
+        """`count` sandboxes of one spec; items that could not be made are left out (see
+        `create_batch_reply` for the per-item failures). `request_id=` makes it idempotent: a retry
+        returns the same sandboxes and makes only what is missing. `progress(BatchProgress)` (plain
+        or async function) is called on each progress event and on the final one (`done`)."""
+        r = await self.create_batch_reply(count, image, substrate, timeout=timeout, progress=progress, batch_id=batch_id, **kw)
         return [AsyncSandbox(self, i) for i in r.sandboxes or []]
+
+    async def create_batch_reply(self, count: int, image: str = "busybox", substrate: str = "container", *, timeout: float = 300.0,
+                                 progress: Callable[[BatchProgress], Any] | None = None, batch_id: str | None = None,
+                                 **kw: Any) -> _Reply:
+        """create_batch, answering the whole reply: `.sandboxes`, `.failed` ([{index, code, message}])
+        and `.raw["batch_id"]`; `.raw["truncated"]` counts sandboxes made but left out of a reply too
+        large for the bus (list them by job or labels)."""
+        spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
+        if progress is None:
+            req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
+            return await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(req), timeout, raw=True)
+        batch_id = batch_id or new_id("batch")
+        done = asyncio.Event()
+
+        async def on_event(msg: Any) -> None:
+            try:
+                ev = msgspec.json.decode(msg.data, type=BatchProgress)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return
+            out = progress(ev)
+            if inspect.isawaitable(out):
+                await out
+            if ev.done:
+                done.set()
+
+        sub = await self.nc.subscribe(subjects.batch_event(batch_id, "*"), cb=on_event)
+        try:
+            req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
+            r = await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(req), timeout, raw=True)
+            try:  # the final event is sent before the reply; give its callback a moment to run
+                await asyncio.wait_for(done.wait(), 2.0)
+            except asyncio.TimeoutError:
+                pass
+            return r
+        finally:
+            await sub.unsubscribe()
 
     async def run(self, cmd: str | list[str], *, image: str = "busybox", substrate: str = "function", stdin: str = "",
                   env: dict[str, str] | None = None, cwd: str | None = None, timeout_s: float = 60.0,

@@ -31,6 +31,7 @@ from corral_common.messages import (
 from .audit_fanotify import FileAudit, norm as _norm_path
 from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
+from .batchcreate import BatchCreate
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
 from .substrates import REGISTRY, Substrate
@@ -135,6 +136,7 @@ class NodeAgent:
         self.traj = await TrajectoryLog(self.js).open()
         await self._reconcile()
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
+        await self.responder.serve(subjects.node_create_batch(self.node), BatchCreate(self).handle, "create_batch")
         await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")
         await self.responder.serve(subjects.node_run(self.node), self._on_run, "run")
         for subject, handler, op in ((subjects.TRAJ_OPEN, self._on_traj_open, "traj.open"), (subjects.TRAJ_GET, self._on_traj_get, "traj.get"),
@@ -151,6 +153,7 @@ class NodeAgent:
     async def shutdown(self) -> None:
         self.accepting = False
         await self.responder.unserve(subjects.node_create(self.node))
+        await self.responder.unserve(subjects.node_create_batch(self.node))
         await self._publish_heartbeat(stopping=True)
         if not self.cfg.keep_sandboxes_on_exit:
             await asyncio.gather(*(self.destroy(sid, "node-agent shutdown") for sid in list(self.sandboxes)), return_exceptions=True)

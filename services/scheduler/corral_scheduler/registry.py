@@ -13,6 +13,7 @@ from corral_common.messages import Heartbeat
 class Reservation:
     cpu: float
     memory_mb: int
+    n: int = 1  # sandboxes (a batch sent to one node reserves them all at once)
     done_at: float | None = None  # when the node answered; dropped once a later heartbeat covers it
 
 
@@ -40,7 +41,7 @@ class NodeState:
         return (
             sum(r.cpu for r in self.reservations),
             sum(r.memory_mb for r in self.reservations),
-            len(self.reservations),
+            sum(r.n for r in self.reservations),
         )
 
     def cpu_ceiling(self, policy: Policy) -> float:

@@ -15,20 +15,22 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from corral_common import bus, logs, metrics, subjects
-from corral_common.errors import Capacity, Code, CorralError, InvalidRequest, Unavailable, from_code
+from corral_common.errors import Capacity, Code, Conflict, CorralError, InvalidRequest, NotFound, Unavailable, from_code
 from corral_common.messages import (
-    CreateBatchRequest, Heartbeat, ListRequest, NodeCreate, NodeRun, RunRequest, SandboxInfo, SandboxSpec, encoder, new_id, ok,
+    CreateBatchRequest, ErrorBody, Heartbeat, ListRequest, NodeCreate, NodeCreateBatch, NodeItemResult, NodeRun, RunRequest,
+    SandboxInfo, SandboxSpec, encoder, new_id, ok,
 )
 
-from . import placement
+from . import batch, placement
 from .quotas import KV_QUOTAS, JobQuota, JobTotals, Usage, check_fair_share, check_quota
-from .registry import Policy, Registry, Reservation
+from .registry import NodeState, Policy, Registry, Reservation
 from .runs import BeforeRun, RunOnce
 
 log = logging.getLogger("corral.scheduler")
 
 PLACEMENTS = metrics.counter("corral_scheduler_placements_total", "Sandboxes placed", ("node",))
 REJECTIONS = metrics.counter("corral_scheduler_rejections_total", "Create requests refused", ("code",))
+BATCH_SECONDS = metrics.histogram("corral_scheduler_batch_seconds", "Time to place a create_batch")
 NODES_ALIVE = metrics.gauge("corral_scheduler_nodes_alive", "Nodes with a recent heartbeat")
 PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
 QUOTA_SET = "corral.v1.quota.set"
@@ -60,6 +62,16 @@ def _node_error(r: _Reply) -> CorralError:
     return from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
 
 
+class _BatchReply(msgspec.Struct):
+    ok: bool
+    results: list[NodeItemResult] | None = None
+    error: ErrorBody | None = None
+
+
+_batch_reply_decoder = msgspec.json.Decoder(_BatchReply)
+_info_decoder = msgspec.json.Decoder(SandboxInfo)
+
+
 class SchedulerConfig(msgspec.Struct, kw_only=True):
     nats_url: str
     metrics_host: str = "127.0.0.1"
@@ -79,6 +91,7 @@ class Scheduler:
         self.registry = Registry(cfg.stale_after_s)
         self.policy = Policy(cpu_overcommit=cfg.cpu_overcommit, hot_cpu=cfg.hot_cpu, memory_headroom=cfg.memory_headroom)
         self.placed: dict[str, SandboxInfo] = {}
+        self.by_node: dict[str, set[str]] = {}  # node -> ids of its placements
         self.totals = JobTotals()
         self.quotas: dict[str, JobQuota] = {}
         self.kv_node_put: dict[str, float] = {}
@@ -103,6 +116,7 @@ class Scheduler:
         await self.nc.subscribe(subjects.NODE_HEARTBEAT, cb=self._on_heartbeat)
         self._spawn(self._lost_node_loop())
         self.responder = bus.Responder(self.nc, "scheduler")
+        self.scatter = await bus.Scatter(self.nc).start()
         q = subjects.SCHEDULER_QUEUE
         await self.responder.serve(subjects.SANDBOX_CREATE, self._on_create, "create", queue=q)
         await self.responder.serve(subjects.SANDBOX_CREATE_BATCH, self._on_create_batch, "create_batch", queue=q)
@@ -161,8 +175,9 @@ class Scheduler:
         now = time.monotonic()
         if now - self.kv_node_put.get(hb.node, 0.0) >= 5.0 or hb.stopping:
             self.kv_node_put[hb.node] = now
-            try:
-                await self.kv_nodes.put(hb.node, msg.data)
+            try:  # a plain publish into the bucket's stream: waiting for each ack here would queue
+                # the heartbeats behind KV round trips until nodes looked stale (and were declared lost)
+                await self.nc.publish(f"$KV.{subjects.KV_NODES}.{hb.node}", msg.data)
             except Exception:
                 pass
 
@@ -181,7 +196,8 @@ class Scheduler:
                 if node in lost or st.hb.stopping:
                     continue
                 lost.add(node)
-                victims = [i for i in self.placed.values() if i.node == node]
+                # by the per-node index: scanning 380,000 placements per lost node stalls the loop
+                victims = [self.placed[sid] for sid in list(self.by_node.get(node, ())) if sid in self.placed]
                 logs.kv(log, logging.WARNING, "node lost", node=node, sandboxes=len(victims))
                 await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
                 for info in victims:
@@ -225,6 +241,11 @@ class Scheduler:
         r = bus.decode(msg.data, QuotaGetRequest)
         q = self._quota(r.job)
         used = self.totals.of(r.job, self.pending)
+        if r.job != "_default" and r.job not in self.quotas and used.sandboxes <= 0:
+            default = self.quotas.get("_default")
+            raise NotFound(f"job {r.job!r} is unknown: it holds no sandboxes and has no quota of its own"
+                           + (f" (the _default quota applies to it: {msgspec.json.encode(default).decode()})" if default
+                              else "; no _default quota is set either") + f"; set one with {QUOTA_SET}")
         return ok(job=r.job, quota=q, used={"sandboxes": used.sandboxes, "cpu": used.cpu, "memory_mb": used.memory_mb})
 
     def _admit(self, spec: SandboxSpec, count: int) -> None:
@@ -251,15 +272,30 @@ class Scheduler:
 
     def _set_placed(self, info: SandboxInfo) -> None:
         old = self.placed.get(info.id)
-        if old is not None:
-            self.totals.add(old, -1)
         self.placed[info.id] = info
+        if old is not None:
+            if old.node != info.node:
+                self._by_node_discard(old)
+                self.by_node.setdefault(info.node, set()).add(info.id)
+            if old.job == info.job and old.cpu == info.cpu and old.memory_mb == info.memory_mb:
+                return  # the same sandbox seen again (reply, then the KV watch): totals unchanged
+            self.totals.add(old, -1)
+        else:
+            self.by_node.setdefault(info.node, set()).add(info.id)
         self.totals.add(info)
 
     def _unplace(self, sid: str) -> None:
         old = self.placed.pop(sid, None)
         if old is not None:
             self.totals.add(old, -1)
+            self._by_node_discard(old)
+
+    def _by_node_discard(self, info: SandboxInfo) -> None:
+        ids = self.by_node.get(info.node)
+        if ids is not None:
+            ids.discard(info.id)
+            if not ids:
+                del self.by_node[info.node]
 
     async def _watch_placements(self) -> None:
         async for e in self.watcher:
@@ -269,7 +305,7 @@ class Scheduler:
                 self._unplace(e.key)
                 continue
             try:
-                self._set_placed(msgspec.json.decode(e.value, type=SandboxInfo))
+                self._set_placed(_info_decoder.decode(e.value))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
 
@@ -452,40 +488,232 @@ class Scheduler:
         raise BeforeRun(self._no_room("a run", spec, alive, tried, last, retry_after_s=0.5))
 
     async def _on_create_batch(self, msg: Msg) -> bytes:
+        """`corral.v1.sandbox.create_batch`: plan the batch, one request per node (see batch.py),
+        partial success per item, progress events, idempotent with `spec.request_id`."""
         req = bus.decode(msg.data, CreateBatchRequest)
         spec = req.spec
         self._check_substrate(spec)
-        alive = self.registry.alive()
-        usable = [s for s in alive if spec.substrate in s.hb.substrates and not s.hot(self.policy)]
-        free_cpu = sum(max(0.0, s.free(self.policy)[0]) for s in usable)
-        free_mem = sum(max(0, s.free(self.policy)[1]) for s in usable)
-        free_n = sum(max(0, s.free(self.policy)[2]) for s in usable)
-        if spec.cpu * req.count > free_cpu + 1e-9 or spec.memory_mb * req.count > free_mem or req.count > free_n:
-            REJECTIONS.labels("capacity").inc()
-            raise Capacity(
-                f"a batch of {req.count} x (cpu={spec.cpu:g}, memory_mb={spec.memory_mb}) does not fit: "
-                f"free {free_cpu:g} cpu, {free_mem} MiB, {free_n} slots across {len(alive)} node(s)", retry_after_s=5.0,
-            )
-        self._admit(spec, req.count)
-        sem = asyncio.Semaphore(self.cfg.batch_parallelism)
-
-        async def one(i: int) -> SandboxInfo | CorralError:
-            s = msgspec.structs.replace(spec, request_id=f"{spec.request_id}#{i}" if spec.request_id else "")
-            async with sem:
-                try:
-                    return await self.create(s, admitted=True)
-                except CorralError as e:
-                    return e
-                finally:
-                    self._settle(spec)
-
-        results = await asyncio.gather(*(one(i) for i in range(req.count)))
+        rid = spec.request_id
+        batch_id = req.batch_id or (batch.default_batch_id(rid) if rid else new_id("batch"))
+        ids = [batch.item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]
+        results: list[SandboxInfo | CorralError | None] = [None] * req.count
+        record = await self._batch_record(rid) if rid else None
+        if record is not None and record.count != req.count:
+            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {req.count}: "
+                           f"use a new request_id for a different batch")
+        failed_before = set(record.failed) if record is not None else set()
+        todo: list[tuple[int, str]] = []
+        for i, sid in enumerate(ids):
+            info = self.placed.get(sid)
+            if info is not None:
+                results[i] = info
+            elif record is not None and i not in failed_before:
+                results[i] = await self._gone_or_placed(sid, i)
+            else:
+                todo.append((i, sid))
+        if todo:
+            self._check_batch_room(spec, len(todo))
+            self._admit(spec, len(todo))
+        progress = batch.Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid)
+        progress.placed = sum(1 for r in results if isinstance(r, SandboxInfo))
+        progress.failed = sum(1 for r in results if isinstance(r, CorralError))
+        progress.start()
+        t0 = time.perf_counter()
+        try:
+            if todo:
+                await self._place_batch(spec, todo, results, progress)
+        finally:
+            await progress.done()
+        BATCH_SECONDS.observe(time.perf_counter() - t0)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [{"index": i, "code": r.code.value, "message": r.message} for i, r in enumerate(results) if isinstance(r, CorralError)]
+        if rid:
+            try:
+                await self.kv_requests.put(batch.record_key(rid), msgspec.json.encode(
+                    batch.BatchRecord(count=req.count, failed=[f["index"] for f in failed])))
+            except Exception:
+                log.warning("batch record not written", extra={"fields": {"batch_id": batch_id}})
+        logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
+                seconds=round(time.perf_counter() - t0, 3))
         if not made:
             first = failed[0]
             raise from_code(first["code"], f"none of the {req.count} sandboxes could be created: {first['message']}")
-        return ok(sandboxes=made, failed=failed)
+        return batch.reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
+
+    async def _batch_record(self, rid: str) -> batch.BatchRecord | None:
+        try:
+            e = await self.kv_requests.get(batch.record_key(rid))
+        except KeyNotFoundError:
+            return None
+        if e is None or not e.value:
+            return None
+        try:
+            return msgspec.json.decode(e.value, type=batch.BatchRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def _gone_or_placed(self, sid: str, index: int) -> SandboxInfo | CorralError:
+        """An item an earlier attempt made that this replica does not see placed (yet)."""
+        info = await self._placement(sid)
+        if info is not None:
+            return info
+        return NotFound(f"item {index} (sandbox {sid}) was made by an earlier attempt of this batch and is gone "
+                        f"(destroyed, expired or its node lost); it is not made again")
+
+    async def _placement(self, sid: str) -> SandboxInfo | None:
+        info = self.placed.get(sid)
+        if info is not None:
+            return info
+        try:
+            e = await self.kv_placements.get(sid)
+        except KeyNotFoundError:
+            return None
+        except Exception:
+            return None
+        if e is None or not e.value:
+            return None
+        try:
+            return _info_decoder.decode(e.value)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    def _check_batch_room(self, spec: SandboxSpec, count: int) -> None:
+        alive = self.registry.alive()
+        usable = [s for s in alive if spec.substrate in s.hb.substrates and not s.hot(self.policy)]
+        free = [s.free(self.policy) for s in usable]
+        free_cpu = sum(max(0.0, f[0]) for f in free)
+        free_mem = sum(max(0, f[1]) for f in free)
+        free_n = sum(max(0, f[2]) for f in free)
+        if spec.cpu * count > free_cpu + 1e-9 or spec.memory_mb * count > free_mem or count > free_n:
+            REJECTIONS.labels("capacity").inc()
+            raise Capacity(
+                f"a batch of {count} x (cpu={spec.cpu:g}, memory_mb={spec.memory_mb}) does not fit: "
+                f"free {free_cpu:g} cpu, {free_mem} MiB, {free_n} slots across {len(alive)} node(s)", retry_after_s=5.0,
+            )
+
+    async def _place_batch(self, spec: SandboxSpec, todo: list[tuple[int, str]], results: list, progress: batch.Progress) -> None:
+        """Plan `todo` over the live nodes, send each node its share in one request, plan what
+        nodes refused again elsewhere (up to three rounds). Each item ends as a SandboxInfo or an
+        error in `results`; the job's pending admission is settled item by item."""
+        refused: set[str] = set()
+        last: dict[int, CorralError] = {}
+        pending = todo
+
+        async def resolve(i: int, value: SandboxInfo | CorralError) -> None:
+            results[i] = value
+            self._settle(spec)
+
+        try:
+            for _round in range(3):
+                if not pending:
+                    break
+                alive = [s for s in self.registry.alive() if s.hb.node not in refused]
+                assignment = batch.plan(alive, spec, len(pending), self.policy)
+                groups: list[tuple[NodeState, list[tuple[int, str]]]] = []
+                pos = 0
+                for st, k in assignment:
+                    for j in range(pos, pos + k, batch.NODE_BATCH_MAX):
+                        groups.append((st, pending[j:min(pos + k, j + batch.NODE_BATCH_MAX)]))
+                    pos += k
+                overflow = pending[pos:]
+                if overflow:
+                    err = Capacity(f"no node has room for more sandboxes with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, "
+                                   f"substrate={spec.substrate} ({placement.describe_room(self.registry.alive(), self.policy)})",
+                                   retry_after_s=1.0)
+                    for i, _ in overflow:
+                        await resolve(i, last.get(i, err))
+                    await progress.add(failed=len(overflow))
+                retry: list[tuple[int, str]] = []
+                reqs, sent = [], []
+                for st, chunk in groups:
+                    k = len(chunk)
+                    res = Reservation(cpu=spec.cpu * k, memory_mb=spec.memory_mb * k, n=k)
+                    st.reservations.append(res)
+                    rid = spec.request_id
+                    items = [NodeCreate(sandbox_id=sid, spec=msgspec.structs.replace(spec, request_id=f"{rid}#{i}") if rid else spec)
+                             for i, sid in chunk]
+                    reqs.append((subjects.node_create_batch(st.hb.node), encoder.encode(NodeCreateBatch(items=items)), None))
+                    sent.append((st, chunk, res))
+                timeout = self.cfg.node_timeout_s + 0.25 * max((len(c) for _, c in groups), default=0)
+                async for j, msg in self.scatter.requests(reqs, timeout):
+                    st, chunk, res = sent[j]
+                    await self._node_reply(st, spec, chunk, res, msg, timeout, resolve, retry, refused, last, progress)
+                pending = retry
+            for i, _ in pending:
+                await resolve(i, last.get(i) or Capacity("no node took this item after three rounds", retry_after_s=1.0))
+            if pending:
+                await progress.add(failed=len(pending))
+        finally:
+            for i, _ in todo:  # cancelled: release what is still counted as pending
+                if results[i] is None:
+                    self._settle(spec)
+
+    async def _node_reply(self, st: NodeState, spec: SandboxSpec, chunk: list[tuple[int, str]], res: Reservation, msg: Msg | None,
+                          timeout: float, resolve, retry: list, refused: set[str], last: dict[int, CorralError],
+                          progress: batch.Progress) -> None:
+        """One node's answer to its share of a batch: record what it made, plan again what it
+        refused for room (`capacity`, `unavailable`, or `conflict` for an item held elsewhere that
+        is not visible yet), fail the rest."""
+        node, k = st.hb.node, len(chunk)
+        whole: CorralError | None = None
+        reply: _BatchReply | None = None
+        if msg is None:
+            # the node may still make them: with a request_id a retry of the batch finds them
+            whole = CorralError(f"node {node} did not answer within {timeout:g}s", Code.TIMEOUT)
+        elif bus.no_responders(msg):
+            whole = Unavailable(f"node {node} is not answering")
+        else:
+            try:
+                reply = _batch_reply_decoder.decode(msg.data)
+                if not reply.ok or reply.results is None or len(reply.results) != k:
+                    err = reply.error or ErrorBody(code="internal", message=f"node {node} answered a batch of {k} with "
+                                                                             f"{len(reply.results or [])} results")
+                    whole = from_code(err.code, err.message, err.retry_after_s)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                whole = CorralError(f"node {node} sent a malformed batch reply: {e}", Code.INTERNAL)
+        made = failed = 0
+        if whole is not None:
+            st.reservations.remove(res)
+            if whole.code in (Code.CAPACITY, Code.UNAVAILABLE):
+                refused.add(node)
+                for i, sid in chunk:
+                    last[i] = whole
+                retry.extend(chunk)
+                return
+            REJECTIONS.labels(whole.code.value).inc()
+            for i, _ in chunk:
+                await resolve(i, whole)
+            await progress.add(failed=k)
+            return
+        assert reply is not None and reply.results is not None
+        for (i, sid), r in zip(chunk, reply.results):
+            if r.ok and r.sandbox is not None:
+                self._set_placed(r.sandbox)
+                await resolve(i, r.sandbox)
+                made += 1
+                continue
+            e = r.error or ErrorBody(code="internal", message="node gave no reason")
+            err = from_code(e.code, e.message, e.retry_after_s)
+            if err.code == Code.CONFLICT:  # another attempt of this batch made it elsewhere
+                info = await self._placement(sid)
+                if info is not None:
+                    await resolve(i, info)
+                    made += 1
+                    continue
+            if err.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.CONFLICT):
+                if err.code == Code.CAPACITY:
+                    refused.add(node)
+                last[i] = err
+                retry.append((i, sid))
+                continue
+            REJECTIONS.labels(err.code.value).inc()
+            await resolve(i, err)
+            failed += 1
+        res.n, res.cpu, res.memory_mb = made, spec.cpu * made, spec.memory_mb * made
+        res.done_at = time.time()
+        if made:
+            PLACEMENTS.labels(node).inc(made)
+        await progress.add(placed=made, failed=failed)
 
     # ------------------------------------------------------------------ list / orphans
 

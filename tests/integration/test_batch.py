@@ -1,0 +1,322 @@
+"""create_batch at scale against simulated nodes on the real bus (real scheduler processes): one
+request per node with a result per item, progress events, idempotent retries, a scheduler
+replica killed mid-batch, and bad input. The real node-agent's half of a node batch is tested in
+test_node_batch_request_answers_per_item (session stack)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+
+import nats
+import pytest
+
+from corral_common import subjects
+from corral_sdk import AsyncClient
+from corral_scheduler.batch import item_id
+
+from ..conftest import make_stack
+from ..simnode import SimNode
+
+
+@pytest.fixture(scope="module")
+async def sched():
+    s = make_stack(nodes=0)
+    await s.start()
+    yield s
+    await s.stop()
+    shutil.rmtree(s.data_dir, ignore_errors=True)
+
+
+@pytest.fixture
+async def bus(sched):
+    nc = await nats.connect(sched.url, pending_size=256 * 1024 * 1024)
+    nodes: list[SimNode] = []
+
+    async def node(name: str, **kw) -> SimNode:
+        n = await SimNode(nc, f"{name}-{uuid.uuid4().hex[:6]}", **kw).start()
+        nodes.append(n)
+        return n
+
+    yield nc, node
+    for n in nodes:
+        await n.stop()
+    await nc.close()
+
+
+async def call(nc, subject: str, body: dict, timeout: float = 60) -> dict:
+    return json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=timeout)).data)
+
+
+async def heard(nc) -> None:
+    """Let the scheduler hear the new nodes' first heartbeats."""
+    await asyncio.sleep(0.3)
+
+
+def held_by(nodes: list[SimNode], job: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n in nodes:
+        for sid, info in n.sandboxes.items():
+            if info.job == job:
+                out.setdefault(sid, []).append(n.name)
+    return out
+
+
+async def test_batch_of_5000_over_simulated_nodes_with_progress_events(bus):
+    nc, node = bus
+    nodes = [await node(f"b5k{i}", cpu=64.0, memory_mb=1_000_000, sandboxes=5000) for i in range(5)]
+    await heard(nc)
+    job = f"b5k-{uuid.uuid4().hex[:6]}"
+    bid = f"bid-{uuid.uuid4().hex[:8]}"
+    events: list[tuple[str, dict]] = []
+
+    async def on(m):
+        events.append((m.subject.rsplit(".", 1)[1], json.loads(m.data)))
+
+    await nc.subscribe(f"corral.events.batch.{bid}.*", cb=on)
+    body = {"spec": {"cpu": 0.01, "memory_mb": 16, "job": job, "request_id": job}, "count": 5000, "batch_id": bid}
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
+    assert r["ok"] and r["batch_id"] == bid and r["failed"] == [], r.get("error")
+    ids = [s["id"] for s in r["sandboxes"]]
+    assert len(ids) == len(set(ids)) == 5000
+    assert set(ids) == {item_id(job, i) for i in range(5000)}  # ids follow from the request_id
+    # one request per node share (at most 256 items each), not one per sandbox
+    assert sum(n.batches for n in nodes) <= 5 * (5000 // 5 // 256 + 2)
+    held = held_by(nodes, job)
+    assert len(held) == 5000 and all(len(v) == 1 for v in held.values())
+    assert min(len([s for s in n.sandboxes.values() if s.job == job]) for n in nodes) > 500  # spread
+    # progress: several events, counts never go back, one final `done` with everything
+    for _ in range(50):
+        if any(k == "done" for k, _ in events):
+            break
+        await asyncio.sleep(0.05)
+    kinds = [k for k, _ in events]
+    assert kinds.count("done") == 1 and kinds[-1] == "done" and kinds.count("progress") >= 3, kinds
+    done = [e for _, e in events]
+    assert all(e["total"] == 5000 and e["batch_id"] == bid and e["job"] == job for e in done)
+    seen = [e["placed"] + e["failed"] for e in done]
+    assert seen == sorted(seen) and done[-1]["placed"] == 5000 and done[-1]["failed"] == 0 and done[-1]["done"] is True
+    assert all(e["done"] is False for e in done[:-1])
+    # a retry answers the same sandboxes and makes nothing
+    asked = sum(n.batches for n in nodes)
+    again = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
+    assert sorted(s["id"] for s in again["sandboxes"]) == sorted(ids) and again["failed"] == []
+    assert sum(n.batches for n in nodes) == asked and len(held_by(nodes, job)) == 5000
+    listed = await call(nc, subjects.SANDBOX_LIST, {"job": job})
+    assert len(listed["sandboxes"]) == 5000
+    used = await call(nc, "corral.v1.quota.get", {"job": job})
+    assert used["used"]["sandboxes"] == 5000  # counted once, though seen in replies and in KV
+
+
+async def test_partial_failure_per_item_and_replanning(bus):
+    nc, node = bus
+    job = f"part-{uuid.uuid4().hex[:6]}"
+    flaky = await node("flaky", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    flaky.fail_every = 4
+    small = await node("small", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    roomy = await node("roomy", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    await heard(nc)
+    # `small` reported room in its heartbeat but refuses beyond 10: its items are planned again
+    small.beating = False
+    small.capacity.sandboxes = 10
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.01, "memory_mb": 16, "job": job}, "count": 600})
+    assert r["ok"] is True
+    failed = r["failed"]
+    assert failed and all(f["code"] == "internal" and "simulated failure" in f["message"] for f in failed)
+    assert len(r["sandboxes"]) + len(failed) == 600
+    assert len({f["index"] for f in failed}) == len(failed) and all(0 <= f["index"] < 600 for f in failed)
+    held = held_by([flaky, small, roomy], job)
+    assert len(held) == len(r["sandboxes"]) and all(len(v) == 1 for v in held.values())
+    assert len([s for s in small.sandboxes.values() if s.job == job]) <= 10
+    assert len([s for s in roomy.sandboxes.values() if s.job == job]) > 200
+    # every item failing: an error reply naming the cause, not an empty success
+    flaky.fail_every = 1
+    small.fail_every = 1
+    roomy.fail_every = 1
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.01, "memory_mb": 16, "job": job + "x"}, "count": 20})
+    assert r["ok"] is False and r["error"]["code"] == "internal" and "none of the 20" in r["error"]["message"]
+
+
+async def test_sdk_progress_callback(bus, sched):
+    nc, node = bus
+    await node("sdk", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    await heard(nc)
+    got = []
+    async with await AsyncClient.connect(sched.url) as c:
+        sbs = await c.create_batch(400, cpu=0.01, memory_mb=16, job=f"sdk-{uuid.uuid4().hex[:6]}", progress=got.append)
+    assert len(sbs) == 400
+    assert got and got[-1].done and got[-1].placed == 400 and got[-1].total == 400
+    assert [g.placed for g in got] == sorted(g.placed for g in got)
+
+
+async def test_bad_input_is_explained(bus):
+    nc, node = bus
+    await node("bad", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    await heard(nc)
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.1, "memory_mb": 16}, "count": 0})
+    assert r["error"]["code"] == "invalid_request" and "count" in r["error"]["message"]
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.1, "memory_mb": 16}, "count": 2, "batch_id": "no spaces"})
+    assert r["error"]["code"] == "invalid_request" and "batch_id" in r["error"]["message"]
+    job = f"bq-{uuid.uuid4().hex[:6]}"
+    await call(nc, "corral.v1.quota.set", {"job": job, "sandboxes": 10})
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.1, "memory_mb": 16, "job": job}, "count": 11})
+    assert r["error"]["code"] == "capacity" and "quota of 10" in r["error"]["message"] and r["error"]["retry_after_s"] > 0
+    # a retried batch does not count its own sandboxes against the quota a second time
+    body = {"spec": {"cpu": 0.1, "memory_mb": 16, "job": job, "request_id": job}, "count": 10}
+    assert len((await call(nc, subjects.SANDBOX_CREATE_BATCH, body))["sandboxes"]) == 10
+    assert len((await call(nc, subjects.SANDBOX_CREATE_BATCH, body))["sandboxes"]) == 10
+    # the same request_id for a different batch
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {**body, "count": 12})
+    assert r["error"]["code"] == "conflict" and "batch of 10" in r["error"]["message"]
+    # an unknown job
+    r = await call(nc, "corral.v1.quota.get", {"job": f"nobody-{uuid.uuid4().hex[:6]}"})
+    assert r["ok"] is False and r["error"]["code"] == "not_found" and "unknown" in r["error"]["message"]
+    assert (await call(nc, "corral.v1.quota.get", {"job": job}))["used"]["sandboxes"] == 10
+
+
+async def test_destroyed_items_are_not_made_again_on_retry(bus):
+    nc, node = bus
+    n = await node("gone", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    await heard(nc)
+    rid = f"gone-{uuid.uuid4().hex[:6]}"
+    body = {"spec": {"cpu": 0.1, "memory_mb": 16, "job": rid, "request_id": rid}, "count": 5}
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
+    victim = r["sandboxes"][0]["id"]
+    n.sandboxes.pop(victim)
+    await n.kv.delete(victim)  # as a destroy would
+    await asyncio.sleep(0.2)
+    again = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
+    assert len(again["sandboxes"]) == 4 and victim not in {s["id"] for s in again["sandboxes"]}
+    assert len(again["failed"]) == 1 and again["failed"][0]["code"] == "not_found" and "gone" in again["failed"][0]["message"]
+    assert victim not in n.sandboxes
+
+
+def _replica(url: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "corral_scheduler", "--nats", url], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+async def _ready(p: subprocess.Popen) -> None:
+    def wait() -> None:
+        for line in p.stderr:
+            if "scheduler ready" in line:
+                return
+        raise RuntimeError("scheduler replica exited before it was ready")
+
+    await asyncio.wait_for(asyncio.to_thread(wait), 60)
+    # drain the rest of its log in the background so it never blocks on a full pipe
+    asyncio.get_running_loop().run_in_executor(None, lambda: [None for _ in p.stderr])
+
+
+async def test_replica_killed_mid_batch_loses_nothing_and_doubles_nothing():
+    """Two scheduler processes; the one serving a large batch is SIGKILLed while nodes hold part
+    of it; the client retries with the same request_id and gets exactly the requested count, each
+    sandbox on one node, counted once in KV, on the nodes and in the surviving scheduler."""
+    stack = make_stack(nodes=0)
+    await stack.start()
+    nc = await nats.connect(stack.url, pending_size=256 * 1024 * 1024)
+    nodes: list[SimNode] = []
+    replica = None
+    try:
+        for i in range(4):
+            nodes.append(await SimNode(nc, f"kill{i}-{secrets.token_hex(3)}", cpu=64.0, memory_mb=1_000_000, sandboxes=5000).start())
+        gate = asyncio.Event()
+        for n in nodes[2:]:  # these two sit on the first attempt's requests until the gate opens
+            n.hold = gate
+        await asyncio.sleep(0.5)
+        victim = stack.proc("scheduler").popen
+        rid = f"kill-{secrets.token_hex(4)}"
+        count = 2000
+        body = json.dumps({"spec": {"cpu": 0.01, "memory_mb": 16, "job": rid, "request_id": rid}, "count": count}).encode()
+        # only the victim serves the queue group now, so it takes the first attempt
+        first = asyncio.create_task(nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=20))
+        for _ in range(200):
+            if all(n.held for n in nodes[2:]) and len(held_by(nodes[:2], rid)) > 0:
+                break
+            await asyncio.sleep(0.05)
+        made_before = len(held_by(nodes, rid))
+        assert made_before > 0 and all(n.held for n in nodes[2:])
+        replica = _replica(stack.url)
+        await _ready(replica)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        # the retry (same request_id) reaches the survivor; the held requests of the dead replica
+        # are let go while it runs, so both race for the same items on the nodes
+        retry = asyncio.create_task(nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=120))
+        await asyncio.sleep(0.3)
+        gate.set()
+        r = json.loads((await retry).data)
+        with pytest.raises(Exception):
+            await first  # its scheduler died: no reply
+        assert r["ok"] is True and r["failed"] == [], r
+        ids = sorted(s["id"] for s in r["sandboxes"])
+        assert ids == sorted(item_id(rid, i) for i in range(count))
+        await asyncio.sleep(0.5)  # late answers to the dead replica's requests
+        held = held_by(nodes, rid)
+        assert len(held) == count and all(len(v) == 1 for v in held.values()), \
+            [k for k, v in held.items() if len(v) > 1][:5]
+        for n in nodes:  # node-side capacity: what each node counts is what it holds
+            mine = [s for s in n.sandboxes.values()]
+            assert abs(n.req_cpu - sum(s.cpu for s in mine)) < 1e-6 and n.req_mem == sum(s.memory_mb for s in mine)
+        kv = await nc.jetstream().key_value(subjects.KV_PLACEMENTS)
+        keys = set(await kv.keys())
+        assert set(ids) <= keys
+        listed = await call(nc, subjects.SANDBOX_LIST, {"job": rid})
+        assert sorted(s["id"] for s in listed["sandboxes"]) == ids
+        used = await call(nc, "corral.v1.quota.get", {"job": rid})
+        assert used["used"]["sandboxes"] == count
+        # and once more, now that everything is settled: the same answer, nothing new
+        again = json.loads((await nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=60)).data)
+        assert sorted(s["id"] for s in again["sandboxes"]) == ids and len(held_by(nodes, rid)) == count
+    finally:
+        for n in nodes:
+            await n.stop()
+        await nc.close()
+        if replica is not None:
+            replica.terminate()
+            try:
+                replica.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                replica.kill()
+        await stack.stop()
+        shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+async def test_node_batch_request_answers_per_item(nc):
+    """The real node-agent (session stack, node-1): made, refused and already-held items in one
+    request, each answered on its own; a repeat makes nothing new."""
+    kv = await nc.jetstream().key_value(subjects.KV_PLACEMENTS)
+    ids = [f"sb-{secrets.token_hex(6)}" for _ in range(4)]
+    foreign = json.dumps({"id": ids[3], "node": "elsewhere", "state": "running", "substrate": "container", "image": "busybox",
+                          "created_at": 1.0, "expires_at": 2.0}).encode()
+    await kv.create(ids[3], foreign)  # held by another node
+    spec = {"image": "busybox", "cpu": 0.1, "memory_mb": 32, "job": "node-batch"}
+    items = [{"sandbox_id": ids[0], "spec": spec}, {"sandbox_id": ids[1], "spec": {**spec, "image": "no-such-image"}},
+             {"sandbox_id": ids[2], "spec": spec}, {"sandbox_id": ids[3], "spec": spec}]
+    try:
+        r = await call(nc, subjects.node_create_batch("node-1"), {"items": items})
+        res = r["results"]
+        assert r["ok"] and len(res) == 4
+        assert res[0]["ok"] and res[0]["sandbox"]["id"] == ids[0] and res[0]["sandbox"]["state"] == "running"
+        assert res[1]["ok"] is False and res[1]["error"]["code"] == "not_found" and "no-such-image" in res[1]["error"]["message"]
+        assert res[2]["ok"] and res[2]["sandbox"]["id"] == ids[2]
+        assert res[3]["ok"] is False and res[3]["error"]["code"] == "conflict"
+        assert (await kv.get(ids[3])).value == foreign  # left alone
+        with pytest.raises(Exception):
+            await kv.get(ids[1])  # the refused item's claim is gone
+        for sid in (ids[0], ids[2]):
+            e = await call(nc, f"corral.v1.sandbox.{sid}.exec", {"cmd": "echo hi"})
+            assert e["result"]["stdout"] == "hi\n"
+        again = await call(nc, subjects.node_create_batch("node-1"), {"items": [items[0], items[2]]})
+        assert [x["sandbox"]["created_at"] for x in again["results"]] == [res[0]["sandbox"]["created_at"], res[2]["sandbox"]["created_at"]]
+        bad = await call(nc, subjects.node_create_batch("node-1"), {"items": []})
+        assert bad["ok"] is False and bad["error"]["code"] == "invalid_request"
+    finally:
+        for sid in (ids[0], ids[2]):
+            await call(nc, f"corral.v1.sandbox.{sid}.destroy", {})
+        await kv.delete(ids[3])
