@@ -32,6 +32,7 @@ def main(
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
     loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),
+    usage_top: int = typer.Option(256, help="sandboxes listed one by one in heartbeats (busiest first; all count in the totals)"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
@@ -43,6 +44,7 @@ def main(
         substrates=substrate, cpu=cpu, cpu_overcommit=cpu_overcommit, memory_mb=memory_mb, max_sandboxes=max_sandboxes,
         heartbeat_s=heartbeat_s, metrics_host=metrics_host, metrics_port=metrics_port,
         keep_sandboxes_on_exit=keep_sandboxes_on_exit, loader_wait_s=loader_wait_s,
+        usage_top=usage_top,
     )
 
     async def run() -> None:

@@ -33,6 +33,7 @@ from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
+from .usage import Observed, UsageTracker
 from .substrates import REGISTRY, Substrate
 from .substrates.base import Sandbox
 
@@ -72,6 +73,7 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     metrics_port: int = 0
     keep_sandboxes_on_exit: bool = False
     loader_wait_s: float = 60.0
+    usage_top: int = 256  # sandboxes listed one by one in a heartbeat (busiest first)
 
 
 def _mem_total_mb() -> int:
@@ -98,7 +100,8 @@ class NodeAgent:
             sandboxes=cfg.max_sandboxes,
             cpu_overcommit_max=cfg.cpu_overcommit,
         )
-        self.last_cpu: dict[str, int] = {}
+        self.usage = UsageTracker(cfg.usage_top)
+        self.observed = Observed()
         self.observed_cpu = 0.0
         self.observed_mem_mb = 0
         self.tasks: set[asyncio.Task] = set()
@@ -636,7 +639,7 @@ class NodeAgent:
             self.sandboxes.pop(sid, None)
             self.substrate_of.pop(sid, None)
             self.destroying.discard(sid)
-            self.last_cpu.pop(sid, None)
+            self.usage.forget(sid)
         DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
         SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
         sb.info.state = "destroyed"
@@ -660,22 +663,25 @@ class NodeAgent:
             log.warning("could not publish event", extra={"fields": {"kind": ev.kind, "sandbox": ev.sandbox_id}})
 
     async def _collect_usage(self) -> None:
-        cpu_ns_delta = 0
-        mem = 0
+        """Per-sandbox CPU rate and memory, read in a worker thread (cgroup files; thousands of
+        sandboxes must not stall the loop). Sandboxes without a cgroup of ours (docker without
+        one) are asked through their substrate and only count in the aggregate."""
+        groups, others = {}, []
         for sid, sb in list(self.sandboxes.items()):
-            sub = self.substrate_of.get(sid)
-            if sub is None:
-                continue
+            cg = getattr(sb, "cg", None)
+            if cg is not None:
+                groups[sid] = cg
+            elif sid in self.substrate_of:
+                others.append(sb)
+        obs = await asyncio.to_thread(self.usage.collect, groups, set(self.sandboxes))
+        mem = obs.memory_bytes
+        for sb in others:
             try:
-                u = await sub.usage(sb)
+                mem += (await self.substrate_of[sb.id].usage(sb)).memory_bytes
             except Exception:
                 continue
-            prev = self.last_cpu.get(sid)
-            if prev is not None and u.cpu_ns >= prev:
-                cpu_ns_delta += u.cpu_ns - prev
-            self.last_cpu[sid] = u.cpu_ns
-            mem += u.memory_bytes
-        self.observed_cpu = cpu_ns_delta / 1e9 / self.cfg.heartbeat_s
+        self.observed = obs
+        self.observed_cpu = obs.cpu
         self.observed_mem_mb = mem // (1024 * 1024)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
@@ -683,7 +689,8 @@ class NodeAgent:
         hb = Heartbeat(
             node=self.node, ts=time.time(), capacity=self.capacity,
             usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=len(self.sandboxes),
-                            requested_cpu=cpu, requested_memory_mb=mem),
+                            requested_cpu=cpu, requested_memory_mb=mem,
+                            per_sandbox=self.observed.per_sandbox, per_sandbox_omitted=self.observed.omitted),
             substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
         )
         try:
