@@ -17,8 +17,10 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_BIND = 4096
+MS_REMOUNT = 32
 MNT_DETACH = 2
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
 
 SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -83,6 +85,32 @@ def mounted_under(prefix: str) -> list[str]:
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
+
+
+def set_hostname(pid: int, name: str) -> None:
+    """Set the host name in the UTS namespace of `pid` (a warm-pool sandbox takes its claimed id
+    as host name). As in loopback_up, a throwaway thread enters the namespace and then ends."""
+    import threading
+
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            nsfd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                setns(nsfd, CLONE_NEWUTS)
+            finally:
+                os.close(nsfd)
+            raw = name.encode()
+            _check(_libc.sethostname(raw, len(raw)), "sethostname")
+        except BaseException as e:  # reported to the caller
+            err.append(e)
+
+    t = threading.Thread(target=run, name=f"utsns-{pid}")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 def loopback_up(pid: int) -> None:
