@@ -103,6 +103,7 @@ class Probe:
         m = meminfo()
         return {"mem_available": m["MemAvailable"], "slab_unreclaimable": m["SUnreclaim"], "slab_reclaimable": m["SReclaimable"],
                 "page_tables": m["PageTables"], "kernel_stack": m["KernelStack"], "shmem": m["Shmem"],
+                "percpu": m.get("Percpu", 0), "vmalloc": m.get("VmallocUsed", 0),
                 "memcg": read_int(f"/sys/fs/cgroup/memory/{self.cg}/memory.usage_in_bytes"),
                 "memcg_kmem": read_int(f"/sys/fs/cgroup/memory/{self.cg}/memory.kmem.usage_in_bytes"),
                 "agent_rss": rss(self.agent), "nats_rss": rss(self.nats), "agent_fds": nfds(self.agent)}
@@ -145,6 +146,7 @@ async def run(levels: list[int], k: int) -> dict:
                   node_args=["--substrate", "container", "--memory-mb", "40000", "--max-sandboxes", "4096"])
     await stack.start()
     res: dict = {"levels": []}
+    alive: list = []
     try:
         c = await AsyncClient.connect(stack.url)
         probe = Probe(stack)
@@ -152,7 +154,6 @@ async def run(levels: list[int], k: int) -> dict:
         await asyncio.sleep(2)
         base = probe.snapshot()
         res["base"] = base
-        alive: list = []
         for level in levels:
             fill_s = await fill(c, alive, level) if level > len(alive) else 0.0
             log(f"{len(alive)} alive (filled in {fill_s:.1f} s); settling")
@@ -162,7 +163,7 @@ async def run(levels: list[int], k: int) -> dict:
             delta = {key: snap[key] - base[key] for key in snap}
             per = {key: round(v / n / MiB, 3) for key, v in delta.items()} if n else {}
             accounted = (delta["memcg"] + delta["agent_rss"] + delta["nats_rss"] + delta["page_tables"] + delta["kernel_stack"]
-                         + max(0, delta["slab_unreclaimable"] - delta["memcg_kmem"]))
+                         + delta["percpu"] + max(0, delta["slab_unreclaimable"] - delta["memcg_kmem"]))
             lat = await latency(c, k)
             row = {"alive": n, "fill_s": round(fill_s, 2), "fill_per_s": round((n - (res["levels"][-1]["alive"] if res["levels"] else 0)) / fill_s, 1) if fill_s else None,
                    "snapshot": snap, "delta": delta,
@@ -173,6 +174,7 @@ async def run(levels: list[int], k: int) -> dict:
             log(f"{n} alive: create p50 {row['create']['p50_ms']} ms p99 {row['create']['p99_ms']} ms; "
                 f"host memory per sandbox {row['per_sandbox_mib']['host_mem_available_drop']} MiB "
                 f"(accounted {row['per_sandbox_mib']['accounted']}); agent fds {snap['agent_fds']}; load {row['loadavg']}")
+        before_destroy = probe.snapshot()
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(16)
 
@@ -183,13 +185,33 @@ async def run(levels: list[int], k: int) -> dict:
         await asyncio.gather(*(gone(sb) for sb in alive))
         res["destroy_all_s"] = round(time.perf_counter() - t0, 2)
         await asyncio.sleep(3)
-        res["after_destroy"] = probe.snapshot()
-        res["leftovers"] = leaks.node_leftovers(data, "node-1")
+        res["after_destroy"] = after = probe.snapshot()
+        # a second, short-interval estimate: what destroying them all gave back (less exposed to
+        # other workers' memory churn than the drop since the start)
+        res["released_per_sandbox_mib"] = {k: round((after[k] - before_destroy[k]) / max(1, len(alive)) / MiB, 3)
+                                           for k in ("mem_available", "memcg", "slab_unreclaimable", "percpu", "page_tables")}
+        left = leaks.node_leftovers(data, "node-1")
+        # the image loader's FUSE mount and the shared layer mounts belong to the node, not to sandboxes
+        left["mounts"] = [m for m in left["mounts"] if "/sandboxes/" in m]
+        res["leftovers"] = left
         res["inits_left"] = len(leaks.inits_of_node(data, "node-1"))
         log(f"destroyed {len(alive)} in {res['destroy_all_s']} s; leftovers {res['leftovers']}, inits {res['inits_left']}")
+        alive.clear()
         await c.close()
     finally:
-        await stack.stop()
+        if alive:  # a failed run: destroy what is left before the stack stops (its stop has a time limit)
+            log(f"destroying {len(alive)} sandboxes left by a failed run")
+            sem = asyncio.Semaphore(16)
+
+            async def drop(sb) -> None:
+                async with sem:
+                    try:
+                        await sb.destroy()
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
+
+            await asyncio.gather(*(drop(sb) for sb in alive))
+        await stack.stop(timeout=300)
         shutil.rmtree(data, ignore_errors=True)
     return res
 
@@ -210,7 +232,7 @@ def plot(res: dict, path: str) -> None:
     ax1.legend(fontsize=8)
     xs = [r["alive"] for r in rows if r["alive"]]
     ax2.plot(xs, [r["per_sandbox_mib"]["host_mem_available_drop"] for r in rows if r["alive"]], "o-", label="MemAvailable drop / sandbox")
-    ax2.plot(xs, [r["per_sandbox_mib"]["accounted"] for r in rows if r["alive"]], "s--", label="accounted (memcg+RSS+slab+pt+stacks)")
+    ax2.plot(xs, [r["per_sandbox_mib"]["accounted"] for r in rows if r["alive"]], "s--", label="accounted (memcg+RSS+slab+percpu+pt+stacks)")
     ax2.plot(xs, [r["per_sandbox_mib"]["memcg"] for r in rows if r["alive"]], "^:", label="sandbox memcgs")
     ax2.axhline(GOAL_MIB, color="g", ls=":", label=f"goal: <= {GOAL_MIB:g} MiB")
     ax2.set_xlabel("idle sandboxes alive on the node")
@@ -223,17 +245,17 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--levels", default="0,500,1000,2000")
     ap.add_argument("--k", type=int, default=40, help="creates measured at each level")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
     machine = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "mem_total_mib": meminfo()["MemTotal"] // MiB, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-    res = await run(levels, a.k)
+    res = asyncio.run(run(levels, a.k))
     res["machine"] = {**machine, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     first, last = res["levels"][0], res["levels"][-1]
     per = last["per_sandbox_mib"]["host_mem_available_drop"]
@@ -248,11 +270,13 @@ async def main() -> None:
     with open(os.path.join(a.out, "density.json"), "w") as f:
         json.dump(res, f, indent=1)
     plot(res, os.path.join(a.out, "density.png"))
-    print(json.dumps({"goals": res["goals"], "machine": res["machine"],
+    print(json.dumps({"goals": res["goals"], "machine": res["machine"], "released_per_sandbox_mib": res["released_per_sandbox_mib"],
+                      "destroy_all_s": res["destroy_all_s"],
                       "levels": [{"alive": r["alive"], "create": {k: v for k, v in r["create"].items() if k != "samples_ms"},
                                   "per_sandbox_mib": r["per_sandbox_mib"], "agent_fds": r["snapshot"]["agent_fds"],
                                   "loadavg": r["loadavg"]} for r in res["levels"]]}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(main())

@@ -153,18 +153,18 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=150)
     ap.add_argument("--gap", type=float, default=0.3, help="seconds between creates (lets the pool refill)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     res: dict = {"n": a.n, "gap_s": a.gap, "machine": {"nproc": os.cpu_count(), "kernel": platform.release(),
                                                         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                                         "loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
-    res["pooled"] = await measure(True, a.n, a.gap)
-    res["cold"] = await measure(False, a.n, a.gap)
+    res["pooled"] = asyncio.run(measure(True, a.n, a.gap))
+    res["cold"] = asyncio.run(measure(False, a.n, a.gap))
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     p50 = res["pooled"]["all"]["p50_ms"]
     res["goal"] = {"what": "pooled create->ready p50 through the bus (ms)", "goal": GOAL_P50_MS, "value": p50, "met": p50 <= GOAL_P50_MS}
@@ -177,7 +177,8 @@ async def main() -> None:
     print(json.dumps({"summary": brief, "hit_rate": res["pooled"]["hit_rate"], "node_claim_mean_ms": res["pooled"]["node_claim_mean_ms"],
                       "node_create_mean_ms": {k: res[k]["node_create_mean_ms"] for k in ("pooled", "cold")},
                       "goal": res["goal"], "machine": res["machine"]}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(main())

@@ -46,3 +46,18 @@ def test_stale_and_stopping_nodes_are_not_alive():
     h.stopping = True
     r2.heartbeat(h)
     assert r2.alive() == []
+
+
+def test_nodes_with_a_warm_sandbox_of_the_image_come_first():
+    r = Registry()
+    r.heartbeat(hb("empty", used_mem=0))
+    warm = hb("warm", used_mem=500)
+    warm.warm = {"busybox": 1}
+    r.heartbeat(warm)
+    for policy in ("spread", "pack"):
+        c = placement.candidates(r.alive(), SandboxSpec(memory_mb=100, placement=policy))
+        assert [s.hb.node for s in c][0] == "warm"
+    assert [s.hb.node for s in placement.candidates(r.alive(), SandboxSpec(image="debian", memory_mb=100))] == ["empty", "warm"]
+    # one create in flight already takes the one warm sandbox: back to plain spread
+    r.nodes["warm"].reservations.append(Reservation(cpu=1, memory_mb=100))
+    assert [s.hb.node for s in placement.candidates(r.alive(), SandboxSpec(memory_mb=100))] == ["empty", "warm"]

@@ -87,30 +87,27 @@ SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
 
+_own_uts: int | None = None
+
+
 def set_hostname(pid: int, name: str) -> None:
     """Set the host name in the UTS namespace of `pid` (a warm-pool sandbox takes its claimed id
-    as host name). As in loopback_up, a throwaway thread enters the namespace and then ends."""
-    import threading
-
-    err: list[BaseException] = []
-
-    def run() -> None:
+    as host name). setns(CLONE_NEWUTS) moves only the calling thread and touches nothing but the
+    host name it sees, so the caller's thread goes in and straight back (to the namespace it was
+    in, kept open): no thread to start on the claim's hot path."""
+    global _own_uts
+    if _own_uts is None:
+        _own_uts = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+    nsfd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(nsfd, CLONE_NEWUTS)
         try:
-            nsfd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                setns(nsfd, CLONE_NEWUTS)
-            finally:
-                os.close(nsfd)
             raw = name.encode()
             _check(_libc.sethostname(raw, len(raw)), "sethostname")
-        except BaseException as e:  # reported to the caller
-            err.append(e)
-
-    t = threading.Thread(target=run, name=f"utsns-{pid}")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
+        finally:
+            setns(_own_uts, CLONE_NEWUTS)
+    finally:
+        os.close(nsfd)
 
 
 def loopback_up(pid: int) -> None:

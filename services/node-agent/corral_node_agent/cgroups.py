@@ -120,6 +120,14 @@ class Cgroups:
             time.sleep(0.001)
         return True
 
+    def set_cpu(self, cpu: float, cpu_period_us: int = 100_000) -> None:
+        quota = max(1000, int(cpu * cpu_period_us))
+        if self.v2:
+            _write_strict(self.path("", "cpu.max"), f"{quota} {cpu_period_us}")
+        else:
+            _write_strict(self.path("cpu", "cpu.cfs_period_us"), str(cpu_period_us))
+            _write_strict(self.path("cpu", "cpu.cfs_quota_us"), str(quota))
+
     def set_limits(self, cpu: float, memory_mb: int, pids_max: int, cpu_period_us: int = 100_000) -> None:
         """The limits runc sets from config.json (oci.py), rewritten in place: a warm-pool sandbox
         takes the claiming request's limits."""
