@@ -142,7 +142,9 @@ async def latency(c: AsyncClient, k: int) -> list[float]:
 
 async def run(levels: list[int], k: int) -> dict:
     data = tempfile.mkdtemp(prefix="crl-dn-", dir="/tmp")
-    stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=IMAGE_DIR, monitor=False,
+    logs = os.environ.get("DENSITY_LOG_DIR") or tempfile.mkdtemp(prefix="corral-density-logs-")
+    log(f"service logs in {logs}")
+    stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=IMAGE_DIR, monitor=False, log_dir=logs,
                   node_args=["--substrate", "container", "--memory-mb", "40000", "--max-sandboxes", "4096"])
     await stack.start()
     res: dict = {"levels": []}
@@ -178,12 +180,20 @@ async def run(levels: list[int], k: int) -> dict:
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(16)
 
+        failed: list[str] = []
+
         async def gone(sb) -> None:
             async with sem:
-                await sb.destroy()
+                try:
+                    await sb.destroy()
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    failed.append(f"{sb.id}: {e}")
 
         await asyncio.gather(*(gone(sb) for sb in alive))
         res["destroy_all_s"] = round(time.perf_counter() - t0, 2)
+        res["destroy_failed"] = failed[:20]
+        res["destroy_failed_count"] = len(failed)
+        res["agent_alive_after_destroy"] = stack.proc("node-1").popen.poll() is None
         await asyncio.sleep(3)
         res["after_destroy"] = after = probe.snapshot()
         # a second, short-interval estimate: what destroying them all gave back (less exposed to
@@ -264,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         "alive": {"goal": levels[-1], "value": last["alive"], "met": last["alive"] >= 2000},
         "host_mib_per_sandbox": {"goal": GOAL_MIB, "value": per, "met": per is not None and per <= GOAL_MIB},
         "create_p50_ratio_top_vs_0": {"goal": GOAL_RATIO, "value": ratio, "met": ratio <= GOAL_RATIO},
-        "nothing_left": {"value": res["leftovers"], "inits_left": res["inits_left"],
-                         "met": res["inits_left"] == 0 and not any(res["leftovers"].values())},
+        "nothing_left": {"value": res["leftovers"], "inits_left": res["inits_left"], "destroy_failed": res["destroy_failed_count"],
+                         "met": res["inits_left"] == 0 and not any(res["leftovers"].values()) and not res["destroy_failed_count"]},
     }
     with open(os.path.join(a.out, "density.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -48,12 +48,13 @@ async def test_heartbeat_reports_per_sandbox_cpu_and_memory(stack, client):
 
         def both(hb: Heartbeat) -> bool:
             rows = {r.id: r for r in hb.usage.per_sandbox}
-            return busy.id in rows and idle.id in rows and rows[busy.id].cpu > 0.3
+            # (the spinner's share depends on what else this shared machine runs: only ask for a clear lead)
+            return busy.id in rows and idle.id in rows and rows[busy.id].cpu > 0.05
 
         hb = await _heartbeats_until(stack.url, both)
         rows = {r.id: r for r in hb.usage.per_sandbox}
         assert rows[busy.id].cpu <= 1.3  # cpu=1 caps it at one core (plus sampling jitter)
-        assert rows[idle.id].cpu < 0.1
+        assert rows[idle.id].cpu < min(0.02, rows[busy.id].cpu / 5)
         assert rows[busy.id].memory_mb >= 24
         assert 0 < rows[idle.id].memory_mb < 24
         assert hb.usage.cpu >= rows[busy.id].cpu - 0.05  # the aggregate covers every sandbox
