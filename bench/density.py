@@ -203,7 +203,8 @@ async def run(levels: list[int], k: int) -> dict:
         left = leaks.node_leftovers(data, "node-1")
         # the image loader's FUSE mount and the shared layer mounts belong to the node, not to sandboxes
         left["mounts"] = [m for m in left["mounts"] if "/sandboxes/" in m]
-        res["leftovers"] = left
+        res["leftovers"] = {k: len(v) for k, v in left.items()}
+        res["leftover_samples"] = {k: v[:10] for k, v in left.items() if v}
         res["inits_left"] = len(leaks.inits_of_node(data, "node-1"))
         log(f"destroyed {len(alive)} in {res['destroy_all_s']} s; leftovers {res['leftovers']}, inits {res['inits_left']}")
         alive.clear()
