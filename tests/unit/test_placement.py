@@ -100,3 +100,18 @@ def test_batch_reply_fits_the_payload_limit():
     assert len(cut) <= 50_000 and r["ok"] is True and r["failed"] == failed
     assert 0 < len(r["sandboxes"]) < 1000 and r["truncated"] == 1000 - len(r["sandboxes"])
     assert [s["id"] for s in r["sandboxes"]] == [m.id for m in made[: len(r["sandboxes"])]]
+
+
+def test_nodes_with_a_warm_sandbox_of_the_image_come_first():
+    r = Registry()
+    r.heartbeat(hb("empty", used_mem=0))
+    warm = hb("warm", used_mem=500)
+    warm.warm = {"busybox": 1}
+    r.heartbeat(warm)
+    for policy in ("spread", "pack"):
+        c = placement.candidates(r.alive(), SandboxSpec(memory_mb=100, placement=policy))
+        assert [s.hb.node for s in c][0] == "warm"
+    assert [s.hb.node for s in placement.candidates(r.alive(), SandboxSpec(image="debian", memory_mb=100))] == ["empty", "warm"]
+    # one create in flight already takes the one warm sandbox: back to plain spread
+    r.nodes["warm"].reservations.append(Reservation(cpu=1, memory_mb=100))
+    assert [s.hb.node for s in placement.candidates(r.alive(), SandboxSpec(memory_mb=100))] == ["empty", "warm"]

@@ -17,8 +17,10 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_BIND = 4096
+MS_REMOUNT = 32
 MNT_DETACH = 2
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
 
 SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -98,6 +100,29 @@ def mounted_under(prefix: str) -> list[str]:
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
+
+
+_own_uts: int | None = None
+
+
+def set_hostname(pid: int, name: str) -> None:
+    """Set the host name in the UTS namespace of `pid` (a warm-pool sandbox takes its claimed id
+    as host name). setns(CLONE_NEWUTS) moves only the calling thread and touches nothing but the
+    host name it sees, so the caller's thread goes in and straight back (to the namespace it was
+    in, kept open): no thread to start on the claim's hot path."""
+    global _own_uts
+    if _own_uts is None:
+        _own_uts = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+    nsfd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(nsfd, CLONE_NEWUTS)
+        try:
+            raw = name.encode()
+            _check(_libc.sethostname(raw, len(raw)), "sethostname")
+        finally:
+            setns(_own_uts, CLONE_NEWUTS)
+    finally:
+        os.close(nsfd)
 
 
 def loopback_up(pid: int) -> None:

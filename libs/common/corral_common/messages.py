@@ -258,12 +258,26 @@ class NodeCapacity(Struct, kw_only=True):
     cpu_overcommit_max: float = 1.0
 
 
+class SandboxUsage(Struct, array_like=True):
+    """One sandbox's observed use over the last heartbeat interval, encoded as a 3-element array
+    (`["sb-...", cpu, memory_mb]`, ~35 bytes) so that a 2,000-sandbox node's heartbeat stays small."""
+
+    id: str
+    cpu: float  # cores (CPU seconds per second) since the previous heartbeat
+    memory_mb: float  # memory cgroup usage (page cache and tmpfs upper included)
+
+
 class NodeUsage(Struct, kw_only=True):
-    cpu: float = 0.0
-    memory_mb: int = 0
-    sandboxes: int = 0
+    cpu: float = 0.0  # observed, all sandboxes (warm pool included)
+    memory_mb: int = 0  # observed, all sandboxes (warm pool included)
+    sandboxes: int = 0  # user sandboxes (warm-pool sandboxes are not counted here)
     requested_cpu: float = 0.0
     requested_memory_mb: int = 0
+    pooled: int = 0  # pre-created warm-pool sandboxes (frozen, unclaimed)
+    # per user sandbox, busiest first (CPU, then memory); at most the node's --usage-top entries,
+    # the rest counted in per_sandbox_omitted (they are in the aggregate cpu/memory_mb above)
+    per_sandbox: list[SandboxUsage] = []
+    per_sandbox_omitted: int = 0
 
 
 class Heartbeat(Struct, kw_only=True):
@@ -276,6 +290,7 @@ class Heartbeat(Struct, kw_only=True):
     version: str = ""
     metrics_url: str = ""
     stopping: bool = False
+    warm: dict[str, int] = {}  # image -> warm-pool sandboxes ready to be claimed on this node
 
 
 class NodeCreate(Struct, kw_only=True):

@@ -12,6 +12,7 @@ import typer
 from corral_common import config, logs
 
 from .agent import AgentConfig, NodeAgent
+from .warmpool import PoolConfig, parse_pools
 
 app = typer.Typer(add_completion=False)
 
@@ -32,6 +33,12 @@ def main(
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
     loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),
+    usage_top: int = typer.Option(256, help="sandboxes listed one by one in heartbeats (busiest first; all count in the totals)"),
+    warm_pool: list[str] = typer.Option([], help="keep IMAGE=COUNT frozen container sandboxes ready (repeatable); creates claim them"),
+    warm_pool_learn: bool = typer.Option(False, help="also give warm pools to images created often recently, sized by their create rate"),
+    warm_pool_max: int = typer.Option(8, help="most warm sandboxes per image"),
+    warm_pool_total: int = typer.Option(32, help="most warm sandboxes on the node"),
+    warm_pool_idle_s: float = typer.Option(60.0, help="an image not created for this long shrinks back to its configured pool"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
@@ -43,6 +50,9 @@ def main(
         substrates=substrate, cpu=cpu, cpu_overcommit=cpu_overcommit, memory_mb=memory_mb, max_sandboxes=max_sandboxes,
         heartbeat_s=heartbeat_s, metrics_host=metrics_host, metrics_port=metrics_port,
         keep_sandboxes_on_exit=keep_sandboxes_on_exit, loader_wait_s=loader_wait_s,
+        usage_top=usage_top,
+        warm_pool=PoolConfig(configured=parse_pools(warm_pool), learn=warm_pool_learn, max_per_image=warm_pool_max,
+                             max_total=warm_pool_total, idle_s=warm_pool_idle_s, window_s=max(warm_pool_idle_s, 1.0)),
     )
 
     async def run() -> None:

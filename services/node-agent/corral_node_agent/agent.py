@@ -34,8 +34,11 @@ from .auditlog import AuditLog
 from .batchcreate import BatchCreate
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
+from .usage import Observed, UsageTracker
+from .warmpool import PoolConfig, WarmPool
 from .substrates import REGISTRY, Substrate
 from .substrates.base import Sandbox
+from .substrates.container import ContainerSubstrate
 
 log = logging.getLogger("corral.node")
 
@@ -73,6 +76,8 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     metrics_port: int = 0
     keep_sandboxes_on_exit: bool = False
     loader_wait_s: float = 60.0
+    usage_top: int = 256  # sandboxes listed one by one in a heartbeat (busiest first)
+    warm_pool: PoolConfig | None = None  # warm pools for the container substrate (warmpool.py)
 
 
 def _mem_total_mb() -> int:
@@ -99,12 +104,15 @@ class NodeAgent:
             sandboxes=cfg.max_sandboxes,
             cpu_overcommit_max=cfg.cpu_overcommit,
         )
-        self.last_cpu: dict[str, int] = {}
+        self.usage = UsageTracker(cfg.usage_top)
+        self.observed = Observed()
         self.observed_cpu = 0.0
         self.observed_mem_mb = 0
         self.tasks: set[asyncio.Task] = set()
         self.metrics_url = ""
         self.accepting = True
+        self.pool: WarmPool | None = None
+        self.kv_writes: dict[str, asyncio.Future] = {}  # placement writes in flight, per sandbox
         self.seccomp: SeccompListener | None = None  # audit sources, started in run()
         self.files_audit: FileAudit | None = None
 
@@ -142,6 +150,7 @@ class NodeAgent:
         for subject, handler, op in ((subjects.TRAJ_OPEN, self._on_traj_open, "traj.open"), (subjects.TRAJ_GET, self._on_traj_get, "traj.get"),
                                      (subjects.TRAJ_LIST, self._on_traj_list, "traj.list"), (subjects.TRAJ_DELETE, self._on_traj_delete, "traj.delete")):
             await self.responder.serve(subject, handler, op, queue=subjects.TRAJ_QUEUE)
+        self._start_pool()
         metrics.UP.labels("node-agent").set(1)
         self._spawn(self._heartbeat_loop())
         self._spawn(self._reaper_loop())
@@ -155,6 +164,8 @@ class NodeAgent:
         await self.responder.unserve(subjects.node_create(self.node))
         await self.responder.unserve(subjects.node_create_batch(self.node))
         await self._publish_heartbeat(stopping=True)
+        if self.pool is not None:
+            await self.pool.close()
         if not self.cfg.keep_sandboxes_on_exit:
             await asyncio.gather(*(self.destroy(sid, "node-agent shutdown") for sid in list(self.sandboxes)), return_exceptions=True)
         await self.responder.drain(timeout=5)
@@ -271,6 +282,45 @@ class NodeAgent:
                 logs.kv(log, logging.WARNING, "reconciled leftovers", substrate=name,
                         adopted=report.adopted, cleaned=report.cleaned, notes=report.notes)
 
+    # ------------------------------------------------------------------ warm pool
+
+    def _start_pool(self) -> None:
+        cfg = self.cfg.warm_pool
+        sub = self.substrates.get("container")
+        if cfg is None or not (cfg.configured or cfg.learn):
+            return
+        if not isinstance(sub, ContainerSubstrate) or type(sub) is not ContainerSubstrate:
+            logs.kv(log, logging.WARNING, "warm pools need the container substrate; not enabled", node=self.node)
+            return
+        self.pool = WarmPool(sub, self.node, cfg, self._forget_warm, self._pool_may_grow, self._image_exists)
+        self.pool.start()
+        logs.kv(log, logging.INFO, "warm pool on", configured=cfg.configured, learn=cfg.learn, max_total=cfg.max_total)
+
+    async def _image_exists(self, image: str) -> bool:
+        try:
+            await self.catalog.image(image)
+            return True
+        except NotFound:
+            return False
+
+    def _forget_warm(self, wid: str) -> None:
+        if self.seccomp is not None:
+            self.seccomp.unregister(wid)
+
+    def _pool_may_grow(self) -> bool:
+        """Warm sandboxes only while the node has room: accepting, under its sandbox count, and
+        observed memory under 80% of what it offers (their memory is real)."""
+        return (self.accepting and len(self.sandboxes) + (self.pool.count() if self.pool else 0) < self.capacity.sandboxes
+                and self.observed_mem_mb < self.capacity.memory_mb * 0.8)
+
+    async def _claim_warm(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox | None:
+        if self.pool is None or spec.substrate != "container":
+            return None
+        sb = await self.pool.claim(info, spec)
+        if sb is not None and self.seccomp is not None:
+            self.seccomp.rename(sb.warm_id, sb.id)  # the substrate renamed the rest
+        return sb
+
     # ------------------------------------------------------------------ create
 
     async def _on_ping(self, msg: Msg) -> bytes:
@@ -296,15 +346,18 @@ class NodeAgent:
                            f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         if req.sandbox_id in self.sandboxes:
             return ok(sandbox=self.sandboxes[req.sandbox_id].info)
-        if sub.uses_catalog:  # docker resolves its own (local Docker) images
-            await self.catalog.image(spec.image)  # NotFound with the list of images, before any work
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
                            cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
         t0 = time.perf_counter()
+        # a warm sandbox's image was in the catalog when it was built (the pool re-checks)
+        sb = await self._claim_warm(info, spec)
+        if sb is None and sub.uses_catalog:  # docker resolves its own (local Docker) images
+            await self.catalog.image(spec.image)  # NotFound with the list of images, before any work
         try:
-            sb = await sub.create(info, spec)
+            if sb is None:
+                sb = await sub.create(info, spec)
         except CorralError:
             await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job, reason="create failed"))
             raise
@@ -325,7 +378,7 @@ class NodeAgent:
                 raise InvalidRequest(f"could not plant canaries or protect paths: {e}") from None
         await self._register(sb, sub)
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
-        await self._event(sb, "created")
+        await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
         await self._event(sb, "ready")
         return ok(sandbox=sb.info)
 
@@ -398,10 +451,34 @@ class NodeAgent:
     async def _register(self, sb: Sandbox, sub: Substrate) -> None:
         self.sandboxes[sb.id] = sb
         self.substrate_of[sb.id] = sub
-        await self.placements.put(sb.id, encoder.encode(sb.info))
+        self._record_placement(sb)
         await self.responder.serve(subjects.sandbox_all(sb.id), self._sandbox_handler(sb.id), "sandbox", key=sb.id)
         SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
         sub.watch_exit(sb, self._on_sandbox_exit)
+
+    def _record_placement(self, sb: Sandbox) -> None:
+        """Write the sandbox's placement to KV in the background: a KV put is a JetStream round
+        trip, which the create reply need not wait for (the scheduler records the placement from
+        the reply). Later writes and the delete wait for it, so they land in order."""
+        prev = self.kv_writes.get(sb.id)
+        data = encoder.encode(sb.info)
+
+        async def put() -> None:
+            if prev is not None:
+                await asyncio.gather(prev, return_exceptions=True)
+            try:
+                await self.placements.put(sb.id, data)
+            except Exception as e:
+                logs.kv(log, logging.WARNING, "placement not recorded", sandbox=sb.id, error=str(e))
+
+        t = asyncio.ensure_future(put())
+        self.kv_writes[sb.id] = t
+        t.add_done_callback(lambda _: self.kv_writes.get(sb.id) is t and self.kv_writes.pop(sb.id, None))
+
+    async def _placement_written(self, sid: str) -> None:
+        t = self.kv_writes.get(sid)
+        if t is not None:
+            await asyncio.gather(t, return_exceptions=True)
 
     def _on_sandbox_exit(self, sb: Sandbox) -> None:
         """PID 1 of the sandbox died on its own: report `exited`, then clean up everything."""
@@ -451,11 +528,13 @@ class NodeAgent:
             if op == "pause":
                 await sub.pause(sb)
                 sb.info.state = "paused"
+                await self._placement_written(sid)
                 await self.placements.put(sid, encoder.encode(sb.info))
                 return ok(sandbox=sb.info)
             if op == "resume":
                 await sub.resume(sb)
                 sb.info.state = "running"
+                await self._placement_written(sid)
                 await self.placements.put(sid, encoder.encode(sb.info))
                 return ok(sandbox=sb.info)
             if op == "snapshot":
@@ -465,6 +544,7 @@ class NodeAgent:
             if op == "renew":
                 r = bus.decode(msg.data, RenewRequest)
                 sb.info.expires_at = time.time() + (r.ttl_s or sb.spec.ttl_s)
+                await self._placement_written(sid)
                 await self.placements.put(sid, encoder.encode(sb.info))
                 return ok(sandbox=sb.info)
             if op == "restore":
@@ -641,10 +721,11 @@ class NodeAgent:
             self.sandboxes.pop(sid, None)
             self.substrate_of.pop(sid, None)
             self.destroying.discard(sid)
-            self.last_cpu.pop(sid, None)
+            self.usage.forget(sid)
         DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
         SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
         sb.info.state = "destroyed"
+        await self._placement_written(sid)
         try:
             await self.placements.delete(sid)
         except Exception:
@@ -665,22 +746,27 @@ class NodeAgent:
             log.warning("could not publish event", extra={"fields": {"kind": ev.kind, "sandbox": ev.sandbox_id}})
 
     async def _collect_usage(self) -> None:
-        cpu_ns_delta = 0
-        mem = 0
+        """Per-sandbox CPU rate and memory, read in a worker thread (cgroup files; thousands of
+        sandboxes must not stall the loop). Sandboxes without a cgroup of ours (docker without
+        one) are asked through their substrate and only count in the aggregate."""
+        groups, others = {}, []
         for sid, sb in list(self.sandboxes.items()):
-            sub = self.substrate_of.get(sid)
-            if sub is None:
-                continue
+            cg = getattr(sb, "cg", None)
+            if cg is not None:
+                groups[sid] = cg
+            elif sid in self.substrate_of:
+                others.append(sb)
+        if self.pool is not None:
+            groups.update(self.pool.cgroups())  # warm sandboxes' memory is the node's too
+        obs = await asyncio.to_thread(self.usage.collect, groups, set(self.sandboxes))
+        mem = obs.memory_bytes
+        for sb in others:
             try:
-                u = await sub.usage(sb)
+                mem += (await self.substrate_of[sb.id].usage(sb)).memory_bytes
             except Exception:
                 continue
-            prev = self.last_cpu.get(sid)
-            if prev is not None and u.cpu_ns >= prev:
-                cpu_ns_delta += u.cpu_ns - prev
-            self.last_cpu[sid] = u.cpu_ns
-            mem += u.memory_bytes
-        self.observed_cpu = cpu_ns_delta / 1e9 / self.cfg.heartbeat_s
+        self.observed = obs
+        self.observed_cpu = obs.cpu
         self.observed_mem_mb = mem // (1024 * 1024)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
@@ -688,8 +774,10 @@ class NodeAgent:
         hb = Heartbeat(
             node=self.node, ts=time.time(), capacity=self.capacity,
             usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=len(self.sandboxes),
-                            requested_cpu=cpu, requested_memory_mb=mem),
+                            requested_cpu=cpu, requested_memory_mb=mem,
+                            pooled=self.pool.count() if self.pool else 0, per_sandbox=self.observed.per_sandbox, per_sandbox_omitted=self.observed.omitted),
             substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
+            warm=self.pool.by_image() if self.pool else {},
         )
         try:
             await self.nc.publish(subjects.NODE_HEARTBEAT, encoder.encode(hb))

@@ -112,6 +112,7 @@ class SeccompListener:
         self.node = node
         self.sock: socket.socket | None = None
         self.fds: dict[str, int] = {}  # sandbox id -> notify fd
+        self.aliases: dict[str, str] = {}  # warm-pool id -> claimed id, for handshakes not yet in
         self.task: asyncio.Task | None = None
         self.handshakes: set[asyncio.Task] = set()
 
@@ -177,7 +178,21 @@ class SeccompListener:
                 os.close(fd)
             conn.close()
 
+    def rename(self, old: str, new: str) -> None:
+        """A claimed warm-pool sandbox's denied syscalls are reported under its claimed id (runc
+        sent the fd with the internal id as metadata); a handshake still in flight is re-keyed
+        when it lands."""
+        nfd = self.fds.pop(old, None)
+        if nfd is None:
+            self.aliases[old] = new
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(nfd)
+        self.fds[new] = nfd
+        loop.add_reader(nfd, self._on_ready, new, nfd)
+
     def register(self, sid: str, nfd: int) -> None:
+        sid = self.aliases.pop(sid, sid)
         old = self.fds.pop(sid, None)
         if old is not None:
             self._close(old)
@@ -233,6 +248,7 @@ class SeccompListener:
             pass
 
     def unregister(self, sid: str) -> None:
+        self.aliases.pop(sid, None)
         nfd = self.fds.pop(sid, None)
         if nfd is not None:
             self._close(nfd)

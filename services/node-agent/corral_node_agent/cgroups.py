@@ -105,6 +105,77 @@ class Cgroups:
         else:
             _write(self.path("freezer", "freezer.state"), "THAWED")
 
+    def freeze(self, timeout: float = 5.0) -> bool:
+        """Freeze every task (warm-pool sandboxes wait frozen: no CPU, no timers firing)."""
+        if self.v2:
+            _write(self.path("", "cgroup.freeze"), "1")
+            state, want = (lambda: "frozen 1" in _read(self.path("", "cgroup.events"))), True
+        else:
+            _write(self.path("freezer", "freezer.state"), "FROZEN")
+            state, want = (lambda: _read(self.path("freezer", "freezer.state")).strip() == "FROZEN"), True
+        deadline = time.monotonic() + timeout
+        while state() != want:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def set_cpu(self, cpu: float, cpu_period_us: int = 100_000) -> None:
+        quota = max(1000, int(cpu * cpu_period_us))
+        if self.v2:
+            _write_strict(self.path("", "cpu.max"), f"{quota} {cpu_period_us}")
+        else:
+            _write_strict(self.path("cpu", "cpu.cfs_period_us"), str(cpu_period_us))
+            _write_strict(self.path("cpu", "cpu.cfs_quota_us"), str(quota))
+
+    def set_limits(self, cpu: float, memory_mb: int, pids_max: int, cpu_period_us: int = 100_000) -> None:
+        """The limits runc sets from config.json (oci.py), rewritten in place: a warm-pool sandbox
+        takes the claiming request's limits."""
+        mem = memory_mb * 1024 * 1024
+        quota = max(1000, int(cpu * cpu_period_us))
+        if self.v2:
+            _write_strict(self.path("", "memory.max"), str(mem))
+            _write_strict(self.path("", "memory.low"), str(mem // 4))
+            _write_strict(self.path("", "cpu.max"), f"{quota} {cpu_period_us}")
+            _write_strict(self.path("", "pids.max"), str(pids_max))
+            return
+        memsw = self.path("memory", "memory.memsw.limit_in_bytes")
+        limited_sw = os.path.exists(memsw) and _read_int(memsw) < (1 << 62)
+        if limited_sw and mem > _read_int(self.path("memory", "memory.limit_in_bytes")):
+            _write_strict(memsw, str(mem))  # memsw may never be below the memory limit
+            _write_strict(self.path("memory", "memory.limit_in_bytes"), str(mem))
+        else:
+            _write_strict(self.path("memory", "memory.limit_in_bytes"), str(mem))
+            if limited_sw:
+                _write_strict(memsw, str(mem))
+        _write_strict(self.path("memory", "memory.soft_limit_in_bytes"), str(mem // 4))
+        _write_strict(self.path("cpu", "cpu.cfs_period_us"), str(cpu_period_us))
+        _write_strict(self.path("cpu", "cpu.cfs_quota_us"), str(quota))
+        _write_strict(self.path("pids", "pids.max"), str(pids_max))
+
+    def limits(self) -> dict[str, int]:
+        """The limits in force (tests check a claimed warm sandbox got the requested ones)."""
+        if self.v2:
+            q, period = _read(self.path("", "cpu.max")).split()
+            return {"memory": _read_int(self.path("", "memory.max")), "cpu_quota": int(q), "cpu_period": int(period),
+                    "pids": _read_int(self.path("", "pids.max"))}
+        return {"memory": _read_int(self.path("memory", "memory.limit_in_bytes")),
+                "cpu_quota": _read_int(self.path("cpu", "cpu.cfs_quota_us")),
+                "cpu_period": _read_int(self.path("cpu", "cpu.cfs_period_us")),
+                "pids": _read_int(self.path("pids", "pids.max"))}
+
+    def rename(self, new_rel: str) -> Cgroups:
+        """Rename this cgroup (every v1 hierarchy; the processes stay in it) to `new_rel` under the
+        same parent, as a warm-pool sandbox takes its claimed id. cgroup v2 has no rename."""
+        if self.v2:
+            raise OSError("cgroup v2 cannot rename cgroups")
+        new = Cgroups(new_rel)
+        for h in V1_ALL:
+            d = f"{ROOT}/{h}/{self.rel}"
+            if os.path.isdir(d):
+                os.rename(d, f"{ROOT}/{h}/{new.rel}")
+        return new
+
     def wait_empty(self, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -172,6 +243,11 @@ def kill_dirs(dirs: list[str], v2: bool, timeout: float) -> int:
     while time.monotonic() < deadline and any(procs_recursive(d) for d in dirs):
         time.sleep(0.002)
     return killed
+
+
+def _write_strict(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
 
 
 def _write(path: str, value: str) -> None:

@@ -64,10 +64,20 @@ class NodeState:
         policy = policy or Policy()
         cap, use = self.hb.capacity, self.hb.usage
         if use.cpu > cap.cpu * policy.hot_cpu:
-            return f"CPU use {use.cpu:.2f} of {cap.cpu:g} cores"
+            return f"CPU use {use.cpu:.2f} of {cap.cpu:g} cores{self._busiest('cpu')}"
         if use.memory_mb > cap.memory_mb * (1 - policy.memory_headroom):
-            return f"memory use {use.memory_mb} of {cap.memory_mb} MiB"
+            return f"memory use {use.memory_mb} of {cap.memory_mb} MiB{self._busiest('memory_mb')}"
         return ""
+
+    def _busiest(self, field: str) -> str:
+        """Name the sandbox using most of `field` (heartbeats list sandboxes one by one), so a
+        pressure report says who makes the node hot."""
+        rows = self.hb.usage.per_sandbox
+        if not rows:
+            return ""
+        top = max(rows, key=lambda r: getattr(r, field))
+        unit = "cores" if field == "cpu" else "MiB"
+        return f"; busiest: {top.id} ({getattr(top, field):g} {unit})"
 
 
 class Registry:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import select
+import secrets
 import shutil
 import signal
 import socket
@@ -53,19 +54,34 @@ class Record(msgspec.Struct, kw_only=True):
     layers: list[str] = []
 
 
+#: the CPU quota a sandbox starts with, whatever it asked for (see _create)
+STARTUP_CPU = 1.0
+#: warm-pool sandboxes run under internal ids with this prefix until a claim renames them
+#: (same length as a scheduler's "sb-" + 12 hex, so nothing derived from the id changes size)
+WARM_PREFIX = "wp-"
+#: what a warm-pool sandbox is built with; a claim rewrites limits, disk size and workdir
+WARM_SPEC = SandboxSpec(image="busybox", cpu=1.0, memory_mb=256, disk_mb=1024, pids_max=1024)
+
+
 class ContainerSandbox(StayingSandbox):
     cg: cgroups.Cgroups
 
     def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups, init_pid: int, layers: list[str]):
         super().__init__(info, spec, sdir, cg)
         self.layers = layers
-        self.rootfs = f"{sdir}/rootfs"
-        self.ctl = f"{sdir}/ctl.sock"
+        self.warm_id = ""  # the internal id it had in the warm pool, if it was claimed from there
+        self.rebase(sdir)
         self.init_pid = init_pid
         try:
             self.pidfd = os.pidfd_open(init_pid)
         except OSError:
             self.pidfd = None
+
+    def rebase(self, sdir: str) -> None:
+        self.sdir = sdir
+        self.rootfs = f"{sdir}/rootfs"
+        self.ctl = f"{sdir}/ctl.sock"
+        self.io = f"{sdir}/io"
 
 
 class ContainerSubstrate(Substrate):
@@ -126,11 +142,20 @@ class ContainerSubstrate(Substrate):
         os.mkdir(f"{sdir}/rw/upper", 0o755)
         os.mkdir(f"{sdir}/rw/work", 0o755)
         # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
-        # to root for a host user who can reach the state dir
-        linux.mount(
-            "overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV,
-            f"lowerdir={lower},upperdir={sdir}/rw/upper,workdir={sdir}/rw/work",
-        )
+        # to root for a host user who can reach the state dir. upper and work are given as
+        # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
+        # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
+        # claim renames it) must not show there
+        up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
+        wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
+        try:
+            linux.mount(
+                "overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV,
+                f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}",
+            )
+        finally:
+            os.close(up)
+            os.close(wk)
         if spec.workdir not in ("", "/"):
             confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
         cfg = oci.config(
@@ -138,8 +163,13 @@ class ContainerSubstrate(Substrate):
             init_path=self.init_path,
             io_dir=f"{sdir}/io",
             cgroups_path=cg.rel if cg.rel.startswith("/") else "/" + cg.rel,
-            env={**DEFAULT_ENV, **spec.env},
-            cpu=spec.cpu,
+            # the spec's env goes to every exec (exec() merges it); init itself gets only the
+            # defaults, so /proc/1/environ is the same for a cold and a warm-pool sandbox
+            env=dict(DEFAULT_ENV),
+            # at least one core while runc sets the sandbox up and init starts (that work is
+            # charged to the sandbox's cgroup: at cpu=0.005, 1 ms per 100 ms, it took ~500 ms);
+            # the requested quota is applied once init answers
+            cpu=max(spec.cpu, STARTUP_CPU),
             memory_mb=spec.memory_mb,
             pids_max=spec.pids_max,
             seccomp_listener=self.seccomp_listener,
@@ -164,9 +194,91 @@ class ContainerSubstrate(Substrate):
             await initclient.ping(f"{sdir}/ctl.sock")
         except initclient.InitError as e:
             raise Internal(f"sandbox {sid} started but its init does not answer: {e}") from None
+        if spec.cpu < STARTUP_CPU:
+            cg.set_cpu(spec.cpu)
         sb = ContainerSandbox(info, spec, sdir, cg, init_pid, layers)
         self._persist(sb)
         return sb
+
+    # ------------------------------------------------------------------ warm pool
+
+    async def create_warm(self, image: str) -> ContainerSandbox:
+        """A warm-pool sandbox: built like any other under an internal id (WARM_PREFIX), its init
+        answering, then frozen. Nothing runs in it until a claim; it has no record on disk, so
+        a restarted agent cleans it up instead of adopting it."""
+        now = time.time()
+        wid = f"{WARM_PREFIX}{secrets.token_hex(6)}"
+        info = SandboxInfo(id=wid, node=self.node, state="paused", substrate="container", image=image,
+                           created_at=now, expires_at=now + 365 * 86400)
+        sb = await self.create(info, msgspec.structs.replace(WARM_SPEC, image=image))
+        assert isinstance(sb, ContainerSandbox)
+        os.unlink(f"{sb.sdir}/sandbox.json")
+        if not await asyncio.to_thread(sb.cg.freeze):
+            await self.destroy(sb)
+            raise Internal(f"warm sandbox {wid} could not be frozen")
+        sb.paused = True
+        return sb
+
+    async def claim_warm(self, sb: Sandbox, info: SandboxInfo, spec: SandboxSpec) -> ContainerSandbox:
+        """Turn a frozen warm-pool sandbox into the sandbox `info.id`: every name that carried the
+        internal id (cgroup dirs, runc's container id and state, the state dir, the host name,
+        the seccomp metadata, which the agent re-keys) now carries the claimed one; the request's
+        limits, disk size and workdir applied; thawed and answering. On failure the warm sandbox
+        is torn down (under either name) and the error raised: the caller builds a cold one."""
+        assert isinstance(sb, ContainerSandbox)
+        old_sid, old_sdir, old_cg = sb.id, sb.sdir, sb.cg
+        try:
+            # on the loop, not in a worker thread: ~1 ms of small syscalls, and a thread hop
+            # costs more than that on a loaded host
+            self._claim(sb, info, spec)
+            # init answered before it was frozen; it is alive if its pidfd has not fired (its
+            # listening socket queues our connections from the moment it is thawed)
+            if sb.pidfd is None or readable(sb.pidfd, 0):
+                raise Internal(f"the init of warm sandbox {old_sid} is gone")
+            self._persist(sb)
+        except BaseException:
+            pidfd, sb.pidfd = sb.pidfd, None
+            await asyncio.shield(asyncio.to_thread(self._teardown, old_sid, old_sdir, old_cg, pidfd))
+            await asyncio.shield(self._teardown_async(info.id, f"{self.sandboxes_dir}/{info.id}",
+                                                      cgroups.Cgroups(f"{self.cgroup_parent}/{info.id}"), None, sb.layers))
+            raise
+        return sb
+
+    def _claim(self, sb: ContainerSandbox, info: SandboxInfo, spec: SandboxSpec) -> None:
+        old, new = sb.id, info.id
+        sb.cg = sb.cg.rename(f"{self.cgroup_parent}/{new}")
+        sb.cg.set_limits(spec.cpu, spec.memory_mb, spec.pids_max)
+        # runc keeps its state in <root>/<id>/state.json, naming the id, the cgroup paths and
+        # the bundle: rename the dir and rewrite the names so runc pause/resume/delete work.
+        # One path keeps the warm name: the hybrid host's controller-less "unified" (v2)
+        # tracking cgroup, which cgroup v2 cannot rename, and moving init out of it would show
+        # inside the sandbox (its cgroup namespace root is that cgroup); runc delete removes it
+        rstate = f"{self.runc_root}/{old}/state.json"
+        with open(rstate) as f:
+            text = f.read()
+        unified = f"{cgroups.ROOT}/unified/{self.cgroup_parent.strip('/')}/"
+        text = text.replace(old, new).replace(unified + new, unified + old)
+        with open(rstate + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(rstate + ".tmp", rstate)
+        os.rename(f"{self.runc_root}/{old}", f"{self.runc_root}/{new}")
+        # the state dir (its mounts move with it; the overlay options name no path in it)
+        sdir = f"{self.sandboxes_dir}/{new}"
+        os.rename(sb.sdir, sdir)
+        sb.rebase(sdir)
+        with open(f"{sdir}/config.json") as f:
+            text = f.read()
+        with open(f"{sdir}/config.json", "w") as f:
+            f.write(text.replace(old, new))
+        if spec.disk_mb != WARM_SPEC.disk_mb:
+            linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV,
+                        f"size={spec.disk_mb}m,mode=755")
+        linux.set_hostname(sb.init_pid, new)
+        if spec.workdir not in ("", "/"):
+            confine.mkdirs(sb.rootfs, spec.workdir)
+        sb.info, sb.spec, sb.warm_id = info, spec, old
+        sb.cg.thaw()
+        sb.paused = False
 
     async def _runc_run(self, sid: str, sdir: str, listen_fd: int) -> int:
         if listen_fd == 3:  # dup2(3, 3) would keep close-on-exec set
@@ -200,7 +312,7 @@ class ContainerSubstrate(Substrate):
             try:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 cg.thaw()
-                select.select([pidfd], [], [], 10)
+                readable(pidfd, 10)
                 os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # ours as subreaper: reap it
             except (OSError, ChildProcessError):
                 pass
@@ -379,10 +491,15 @@ class ContainerSubstrate(Substrate):
         adopted: list[Sandbox] = []
         runc_states = self._runc_list()
         seen: set[str] = set()
+        warm = 0
         for sid in sorted(os.listdir(self.sandboxes_dir)) if os.path.isdir(self.sandboxes_dir) else []:
             sdir = f"{self.sandboxes_dir}/{sid}"
             seen.add(sid)
             cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
+            if sid.startswith(WARM_PREFIX):  # never claimed: not a user's sandbox, no event
+                self._teardown(sid, sdir, cg, None)
+                warm += 1
+                continue
             rec = load_record(f"{sdir}/sandbox.json", Record)
             st = runc_states.get(sid)
             if rec is not None and st is not None and st.get("status") in ("running", "paused") and _responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
@@ -398,6 +515,9 @@ class ContainerSubstrate(Substrate):
             if sid not in seen:
                 cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
                 self._teardown(sid, f"{self.sandboxes_dir}/{sid}", cg, None)
+                if sid.startswith(WARM_PREFIX):
+                    warm += 1
+                    continue
                 report.cleaned.append(sid)
                 report.notes.append(f"runc container {sid} had no sandbox record")
         # cgroups with neither a record nor a container
@@ -406,9 +526,11 @@ class ContainerSubstrate(Substrate):
             for sid in os.listdir(d):
                 if os.path.isdir(f"{d}/{sid}") and sid not in seen and sid not in runc_states:
                     cgroups.Cgroups(f"{self.cgroup_parent}/{sid}").destroy(timeout=5)
-                    if sid not in report.cleaned:
+                    if sid not in report.cleaned and not sid.startswith(WARM_PREFIX):
                         report.cleaned.append(sid)
                         report.notes.append(f"stray cgroup {sid} removed")
+        if warm:
+            report.notes.append(f"removed {warm} unclaimed warm-pool sandbox(es)")
         return adopted, report
 
     def _runc_list(self) -> dict[str, dict]:
@@ -417,6 +539,13 @@ class ContainerSubstrate(Substrate):
         if p.returncode != 0 or not p.stdout.strip() or p.stdout.strip() == "null":
             return {}
         return {c["id"]: c for c in json.loads(p.stdout)}
+
+
+def readable(fd: int, timeout_s: float) -> bool:
+    """poll(2), not select(2): a node with a thousand sandboxes holds fds above FD_SETSIZE (1024)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(int(timeout_s * 1000)))
 
 
 async def wait_pid(pid: int) -> int:

@@ -37,7 +37,6 @@ import logging
 import os
 import platform
 import secrets
-import select
 import shutil
 import signal
 import socket
@@ -58,7 +57,7 @@ from ..aio import wait_readable as _wait_readable
 from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
 from .common import result_stderr
-from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, wait_pid
+from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, readable, wait_pid
 
 log = logging.getLogger("corral.node.function")
 
@@ -421,7 +420,7 @@ class FunctionSubstrate(ContainerSubstrate):
         pool = self.warm.get(spec.image)
         while pool:
             sb = pool.pop()
-            alive = sb.pidfd is not None and not select.select([sb.pidfd], [], [], 0)[0]
+            alive = sb.pidfd is not None and not readable(sb.pidfd, 0)
             if not alive or sb.layers != wanted:
                 self._spawn(self._destroy_warm(sb))
                 continue
