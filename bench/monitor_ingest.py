@@ -13,10 +13,10 @@ one node-agent), everything on this machine.
             (b) the same while 20k events/s of benign background load stream in, (c) end to end
             from a real sandbox: `sb.exec('cat /proc/1/environ')` returning until the alert.
   overhead  exec latency (`sb.exec(['true'])`, sequential, from the SDK) with auditing on vs off,
-            alternating rounds. The node-agent's AuditLog has an `enabled` flag but no CLI switch,
-            so "off" runs the node-agent through a launcher that turns `AuditLog.emit` into a
-            no-op (= enabled False: the AuditEvent is still built, nothing is queued, published or
-            ingested). A third mode, audit on with the monitor stopped, separates the node-side
+            alternating rounds. "off" restarts the node-agent with `--no-audit`: no exec log, no
+            file-activity fanotify group, no seccomp-notify listener (denied syscalls are plain
+            EPERM, connect/kill are not inspected), nothing published or ingested; "on" has every
+            audit source of a container sandbox. A third mode, audit on with the monitor stopped, separates the node-side
             cost from the monitor competing for this machine's two cores.
 
 Results: <out>/monitor_ingest.json and <out>/monitor_ingest.png.
@@ -44,6 +44,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+
+from corral_common import subjects  # noqa: E402
 
 GOALS = {
     "ingest_events_per_s": {"goal": 100_000, "op": ">=", "what": "events/s stored, median run of the best --workers setting"},
@@ -146,7 +148,7 @@ async def wait_query(nc, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            r = await nc.request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout=2)
+            r = await nc.request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout=2)
             if r.data.startswith(b'{"ok":true'):
                 return
         except Exception:
@@ -220,7 +222,7 @@ async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: i
         if last is None:
             raise RuntimeError(f"ingest with {w} workers did not finish")
         await wait_query(nc)
-        r = json.loads((await nc.request("corral.v1.monitor.query", json.dumps(
+        r = json.loads((await nc.request(subjects.MONITOR_QUERY, json.dumps(
             {"sql": f"SELECT count(), count(DISTINCT id) FROM audit_events WHERE job = '{job}'"}).encode(), timeout=30)).data)
         stored, distinct = r["rows"][0]
         alerts = metric(url, "corral_monitor_alerts_total")
@@ -334,15 +336,13 @@ async def alert_latency_real(client, n: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- 3. audit overhead
 
-AUDIT_OFF = ("import corral_node_agent.auditlog as a; a.AuditLog.emit = lambda self, ev: None; "
-             "import runpy; runpy.run_module('corral_node_agent', run_name='__main__', alter_sys=True)")
-
-
 async def restart_node(stack, client, audit: bool) -> None:
+    """Restart node-1 with auditing on, or off (`--no-audit`: no exec log, no file-activity
+    fanotify group, no seccomp listener; the denied syscalls are plain EPERM)."""
     await stop_proc(stack, "node-1")
     p = stack.proc("node-1")
-    rest = list(p.argv)[3:]  # [python, -m|-c, module|code, *options]
-    p.argv[:] = [sys.executable, "-m", "corral_node_agent", *rest] if audit else [sys.executable, "-c", AUDIT_OFF, *rest]
+    rest = [a for a in list(p.argv)[3:] if a != "--no-audit"]  # [python, -m, corral_node_agent, *options]
+    p.argv[:] = [sys.executable, "-m", "corral_node_agent", *rest, *([] if audit else ["--no-audit"])]
     stack.restart("node-1")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -389,7 +389,7 @@ def proc_cpu_s(pid: int) -> float:
 
 async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, Any]:
     """Three modes, in alternating order each round so drifting machine load hits all of them:
-    `off` (AuditLog.emit is a no-op), `on` (the default: events published and ingested by the
+    `off` (the node-agent with --no-audit), `on` (the default: events published and ingested by the
     monitor on this same 2-core machine), `on_nomonitor` (events published to JetStream, monitor
     stopped: the node-side cost alone). Verdict: pooled p50 of `on` vs `off`."""
     modes = ["on", "off", "on_nomonitor"]

@@ -140,7 +140,7 @@ class Stack:
                                "--metrics-port", str(port), *self.substrate_args(), *self.node_args], f"http://127.0.0.1:{port}/metrics")
         await self._wait_ready(timeout)
         if self.monitor:
-            await self._wait_request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout)
+            await self._wait_request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout)
 
     async def _wait_port(self, host: str, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

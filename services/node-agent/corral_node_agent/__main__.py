@@ -32,6 +32,8 @@ def main(
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
     loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),
+    no_audit: bool = typer.Option(False, "--no-audit", help="publish no audit events (to measure what auditing costs); "
+                                  "protected paths stay enforced"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
@@ -42,7 +44,7 @@ def main(
         nats_url=config.nats_url(nats), node=node, state_dir=sdir,
         substrates=substrate, cpu=cpu, cpu_overcommit=cpu_overcommit, memory_mb=memory_mb, max_sandboxes=max_sandboxes,
         heartbeat_s=heartbeat_s, metrics_host=metrics_host, metrics_port=metrics_port,
-        keep_sandboxes_on_exit=keep_sandboxes_on_exit, loader_wait_s=loader_wait_s,
+        keep_sandboxes_on_exit=keep_sandboxes_on_exit, loader_wait_s=loader_wait_s, audit=not no_audit,
     )
 
     async def run() -> None:

@@ -28,7 +28,7 @@ from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, Sandbox
 
 from corral_common import linux
 
-from .. import cgroups, confine, initclient, oci
+from .. import cgroups, confine, initclient, masks, oci
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
 from ..output import PipeReader
@@ -67,6 +67,8 @@ class ContainerSandbox(Sandbox):
         self.pidfd: int | None = None
         self.sessions: dict[str, Session] = {}
         self.session_locks: dict[str, asyncio.Lock] = {}
+        # protected paths covered by decoys in the container's mount namespace (masks.py)
+        self.masks: list[masks.Mask] = masks.load(f"{sdir}/masks")
         # exec cgroup names carry a per-agent-run prefix so an adopted sandbox's lingering
         # groups (background processes started before a restart) are never reused
         self.seq = itertools.count(1)
@@ -137,11 +139,15 @@ class ContainerSubstrate(Substrate):
         os.mkdir(f"{sdir}/rw/upper", 0o755)
         os.mkdir(f"{sdir}/rw/work", 0o755)
         # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
-        # to root for a host user who can reach the state dir
-        linux.mount(
-            "overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV,
-            f"lowerdir={lower},upperdir={sdir}/rw/upper,workdir={sdir}/rw/work",
-        )
+        # to root for a host user who can reach the state dir. index=on,nfs_export=on make the
+        # overlay's file handles decodable, which fanotify needs to report its directory entry
+        # events (create/unlink/rename) with paths (audit_files.py); without them (a lower that
+        # cannot export handles) the overlay is mounted plain and file activity falls back to fd mode
+        opts = f"lowerdir={lower},upperdir={sdir}/rw/upper,workdir={sdir}/rw/work"
+        try:
+            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
+        except OSError:
+            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
         if spec.workdir not in ("", "/"):
             confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
         cfg = oci.config(
@@ -155,6 +161,8 @@ class ContainerSubstrate(Substrate):
             pids_max=spec.pids_max,
             seccomp_listener=self.seccomp_listener,
         )
+        # protected paths are covered by decoys before anything in the sandbox runs (fail closed)
+        cfg["mounts"].extend(masks.oci_mounts(masks.build(f"{sdir}/rootfs", list(spec.protected_paths), f"{sdir}/masks")))
         with open(f"{sdir}/config.json", "w") as f:
             json.dump(cfg, f)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
