@@ -18,6 +18,9 @@ one node-agent), everything on this machine.
             EPERM, connect/kill are not inspected), nothing published or ingested; "on" has every
             audit source of a container sandbox. A third mode, audit on with the monitor stopped, separates the node-side
             cost from the monitor competing for this machine's two cores.
+  overhead_python  the same with a Python start on debian (`python3 -c 'import json, subprocess,
+            tempfile; ...'`: hundreds of opens and a temp file, the file-activity heavy case);
+            only with --only overhead_python, reported beside the verdict, not in it.
 
 Results: <out>/monitor_ingest.json and <out>/monitor_ingest.png.
 
@@ -355,15 +358,19 @@ async def restart_node(stack, client, audit: bool) -> None:
     raise TimeoutError("node-1 did not come back")
 
 
-async def exec_round(client, n: int, warmup: int, conc: int) -> dict[str, Any]:
-    sb = await client.create(image="busybox", cpu=0.5, memory_mb=64, ttl_s=600, job="bench-overhead")
+PY_CMD = ["python3", "-c", "import json, subprocess, tempfile; tempfile.NamedTemporaryFile(dir='/tmp').write(b'x')"]
+
+
+async def exec_round(client, n: int, warmup: int, conc: int, image: str = "busybox", cmd: list[str] | None = None) -> dict[str, Any]:
+    cmd = cmd or ["true"]
+    sb = await client.create(image=image, cpu=0.5, memory_mb=256, ttl_s=600, job="bench-overhead")
     try:
         for _ in range(warmup):
-            await sb.exec(["true"])
+            await sb.exec(cmd)
         seq = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await sb.exec(["true"])
+            await sb.exec(cmd)
             seq.append((time.perf_counter() - t0) * 1000)
         # throughput with `conc` concurrent callers
         t0 = time.perf_counter()
@@ -371,7 +378,7 @@ async def exec_round(client, n: int, warmup: int, conc: int) -> dict[str, Any]:
 
         async def loop() -> None:
             for _ in range(per):
-                await sb.exec(["true"])
+                await sb.exec(cmd)
 
         await asyncio.gather(*(loop() for _ in range(conc)))
         thr = per * conc / (time.perf_counter() - t0)
@@ -387,7 +394,7 @@ def proc_cpu_s(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, Any]:
+async def bench_overhead(stack, client, nc, n: int, rounds: int, image: str = "busybox", cmd: list[str] | None = None) -> dict[str, Any]:
     """Three modes, in alternating order each round so drifting machine load hits all of them:
     `off` (the node-agent with --no-audit), `on` (the default: events published and ingested by the
     monitor on this same 2-core machine), `on_nomonitor` (events published to JetStream, monitor
@@ -407,7 +414,7 @@ async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, An
             mon = stack.proc("monitor")
             cpu0 = proc_cpu_s(mon.popen.pid) if mon.popen.poll() is None else None
             t0 = time.perf_counter()
-            x = await exec_round(client, n, warmup=30, conc=8)
+            x = await exec_round(client, n, warmup=30, conc=8, image=image, cmd=cmd)
             if cpu0 is not None and mon.popen.poll() is None:
                 x["monitor_cpu_share"] = (proc_cpu_s(mon.popen.pid) - cpu0) / (time.perf_counter() - t0)
             res[mode].append(x)
@@ -431,7 +438,8 @@ async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, An
             "mean_overhead": mean["on"] / mean["off"] - 1,
             "p50_overhead_node_side": p50["on_nomonitor"] / p50["off"] - 1,
             "throughput_overhead": 1 - thr["on"] / thr["off"],
-            "throughput_overhead_node_side": 1 - thr["on_nomonitor"] / thr["off"], "n_per_round": n}
+            "throughput_overhead_node_side": 1 - thr["on_nomonitor"] / thr["off"], "n_per_round": n,
+            "image": image, "cmd": cmd or ["true"]}
 
 
 # ----------------------------------------------------------------------------- plot
@@ -538,6 +546,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res["alerts"]["real_exec"] = await alert_latency_real(client, args.real)
         if "overhead" in args.only:
             res["overhead"] = await bench_overhead(stack, client, nc, args.execs, args.rounds)
+        if "overhead_python" in args.only:  # a Python start: hundreds of opens, a temp file (file activity)
+            res["overhead_python"] = await bench_overhead(stack, client, nc, max(20, args.execs // 3), args.rounds, "debian", PY_CMD)
         if "ingest_unique" in args.only:
             # every command distinct: the rules' per-command cache never hits (worst case for the rules)
             runs = await bench_ingest(stack, nc, args.events, [args.workers[0]] * args.repeat, args.batch, unique=True)
@@ -580,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", type=int, default=30, help="real-sandbox alert latency samples")
     ap.add_argument("--execs", type=int, default=300, help="execs per overhead round")
     ap.add_argument("--rounds", type=int, default=6, help="overhead rounds (each runs every mode once)")
-    ap.add_argument("--only", nargs="+", default=["ingest", "ingest_unique", "alerts", "overhead"], choices=["ingest", "ingest_unique", "alerts", "overhead"])
+    ap.add_argument("--only", nargs="+", default=["ingest", "ingest_unique", "alerts", "overhead"], choices=["ingest", "ingest_unique", "alerts", "overhead", "overhead_python"])
     ap.add_argument("--keep", action="store_true", help="keep the stack's data dir (logs) for inspection")
     ap.add_argument("--image-dir", default=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))
     args = ap.parse_args(argv)

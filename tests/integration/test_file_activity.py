@@ -76,3 +76,40 @@ async def test_file_events_catch_what_command_text_cannot(client, nc):
             assert t.evidence[0].kind == "file" and t.evidence[0].op == "unlink" and t.evidence[0].path == "/repo/tests/test_calc.py"
     finally:
         await sb.destroy()
+
+
+async def test_a_busy_sandbox_cannot_flood_the_bus():
+    """Past its burst, a sandbox's file events are rate-limited; the drops are counted and
+    reported as `dropped` audit events. (A node with a small budget: 200 events, then 50/s.)"""
+    import nats
+
+    from corral_sdk import AsyncClient
+
+    from ..conftest import make_stack
+    from ..leaks import assert_clean
+
+    stack = make_stack(nodes=1, monitor=False, node_args=["--file-events-rate", "50", "--file-events-burst", "200"])
+    await stack.start()
+    try:
+        c = await AsyncClient.connect(stack.url)
+        conn = await nats.connect(stack.url)
+        sb = await c.create(image="busybox", cpu=0.5, memory_mb=128)
+        async with Watch(conn, sb.info.node, sb.id) as w:
+            r = await sb.exec("mkdir /tmp/many && cd /tmp/many && i=0; while [ $i -lt 2000 ]; do : > f$i; i=$((i+1)); done; echo ok",
+                              timeout_s=120)
+            assert r.stdout == "ok\n", r
+            await w.until(lambda: sum(int(e.detail.get("dropped", "0")) for e in w.of("file") if e.op == "dropped") > 0,
+                          what="a dropped-events report")
+            creates = [e for e in w.of("file") if e.op == "create" and e.path.startswith("/tmp/many/")]
+            assert creates and len(creates) < 2000, len(creates)  # the first ones came through, not all
+            d = next(e for e in w.of("file") if e.op == "dropped")
+            assert d.detail["reason"] in ("rate_limit", "queue_overflow") and d.sandbox == sb.id
+        await sb.destroy()
+        await conn.close()
+        await c.close()
+    finally:
+        await stack.stop()
+    assert_clean(stack.data_dir, "node-1")
+    import shutil
+
+    shutil.rmtree(stack.data_dir, ignore_errors=True)

@@ -34,6 +34,8 @@ def main(
     loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),
     no_audit: bool = typer.Option(False, "--no-audit", help="publish no audit events (to measure what auditing costs); "
                                   "protected paths stay enforced"),
+    file_events_rate: float = typer.Option(2000.0, help="file-activity audit events per second per sandbox, beyond the burst"),
+    file_events_burst: float = typer.Option(10000.0, help="file-activity audit events a sandbox may burst before the rate applies"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
@@ -45,6 +47,7 @@ def main(
         substrates=substrate, cpu=cpu, cpu_overcommit=cpu_overcommit, memory_mb=memory_mb, max_sandboxes=max_sandboxes,
         heartbeat_s=heartbeat_s, metrics_host=metrics_host, metrics_port=metrics_port,
         keep_sandboxes_on_exit=keep_sandboxes_on_exit, loader_wait_s=loader_wait_s, audit=not no_audit,
+        file_events_rate=file_events_rate, file_events_burst=file_events_burst,
     )
 
     async def run() -> None:

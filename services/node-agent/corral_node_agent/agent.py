@@ -79,6 +79,8 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     #: False (`--no-audit`): no audit events at all (exec log, file activity, denied syscalls are
     #: plain EPERM); protected paths are still enforced. For measuring the cost of auditing.
     audit: bool = True
+    file_events_rate: float = 2000.0  # file-activity events per second per sandbox (token bucket rate)
+    file_events_burst: float = 10000.0  # and its burst; beyond, events are dropped and the drop is audited
 
 
 def _cmdline(pid: int) -> str:
@@ -230,7 +232,8 @@ class NodeAgent:
             logs.kv(log, logging.WARNING, "fanotify unavailable: protected paths and canaries are not enforced", error=str(e))
         if self.cfg.audit:
             try:
-                self.activity = FileActivity(self.node, self._on_file_activity)
+                self.activity = FileActivity(self.node, self._on_file_activity, rate=self.cfg.file_events_rate,
+                                             burst=self.cfg.file_events_burst)
                 self.activity.start()
             except OSError as e:
                 self.activity = None
