@@ -22,7 +22,9 @@ to processes outside the caller's exec (another exec's cgroup, or pid 1 = corral
 "signal"). Signals to init are denied (EPERM). The argument is read before the kernel re-reads it,
 so a racing thread could change it in between: the record is best effort, the isolation (no
 network, init protected by the pid namespace) does not depend on it. After an agent restart these
-calls, like the denied ones, fail with ENOSYS in adopted sandboxes (their notify fd is gone)."""
+calls, like the denied ones, fail with ENOSYS in adopted sandboxes (their notify fd is gone). The
+same calls through the i386 or x32 ABI continue uninspected (not recorded); sendmsg/sendmmsg and
+io_uring are not watched."""
 from __future__ import annotations
 
 import asyncio
@@ -67,6 +69,8 @@ X86_64_SYSCALLS: dict[int, str] = {
     42: "connect", 44: "sendto", 62: "kill", 200: "tkill", 234: "tgkill", 424: "pidfd_send_signal",
 }
 WATCHED = {"connect", "sendto", "kill", "tkill", "tgkill", "pidfd_send_signal"}
+# their i386 numbers (socketcall carries connect/sendto on old i386 libcs), and x32 = x86_64 | bit 30
+I386_WATCHED = {102, 362, 369, 37, 238, 270, 424}
 SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
 IOCTL_NAMES = {v: k for k, v in oci.DENIED_IOCTLS.items()}
 
@@ -226,6 +230,13 @@ class SeccompListener:
         nid, pid, _flags, nr, arch, _ip, *args = NOTIF.unpack(bytes(buf))
         if arch == AUDIT_ARCH_X86_64 and X86_64_SYSCALLS.get(nr) in WATCHED:
             self._watched(sid, nfd, nid, pid, X86_64_SYSCALLS[nr], tuple(args))
+            return
+        if _foreign_watched(arch, nr):
+            # the same calls from a 32-bit or x32 binary: let them run, not inspected
+            try:
+                fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE))
+            except OSError:
+                pass
             return
         comm = _comm(pid)  # while the caller still waits for us
         try:
@@ -434,3 +445,12 @@ def _signal(pid: int, name: str, args: tuple[int, ...]) -> tuple[str, str, bool,
     except OSError:
         pass
     return "signal", str(target), False, detail
+
+
+def _foreign_watched(arch: int, nr: int) -> bool:
+    """A watched call (connect, kill, ...) through the i386 or x32 ABI: continued uninspected."""
+    if arch == AUDIT_ARCH_I386:
+        return nr in I386_WATCHED
+    if arch == AUDIT_ARCH_X86_64 and nr & X32_SYSCALL_BIT:
+        return X86_64_SYSCALLS.get(nr & ~X32_SYSCALL_BIT) in WATCHED
+    return False
