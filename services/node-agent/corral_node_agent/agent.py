@@ -642,8 +642,14 @@ class NodeAgent:
             stderr_bytes=len(result.stderr), timed_out=result.timed_out,
             detail={"oom_killed": "1"} if result.oom_killed else {},
         ))
-        if self.cfg.audit:
-            self._check_limits(sb, sub, req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd))
+        if self.cfg.audit:  # after the reply is on its way: cgroup reads are not the caller's wait
+            cmd = req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
+
+            def check() -> None:
+                if sb.id in self.sandboxes and sb.id not in self.destroying:
+                    self._check_limits(sb, sub, cmd)
+
+            asyncio.get_running_loop().call_soon(check)
         if req.trajectory and req.step is not None:
             meta = await self.traj.record(req, sb.id, self.node, result)
             if meta is not None and self.traj.snapshot_due(meta, req.step):
