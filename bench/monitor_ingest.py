@@ -13,11 +13,14 @@ one node-agent), everything on this machine.
             (b) the same while 20k events/s of benign background load stream in, (c) end to end
             from a real sandbox: `sb.exec('cat /proc/1/environ')` returning until the alert.
   overhead  exec latency (`sb.exec(['true'])`, sequential, from the SDK) with auditing on vs off,
-            alternating rounds. The node-agent's AuditLog has an `enabled` flag but no CLI switch,
-            so "off" runs the node-agent through a launcher that turns `AuditLog.emit` into a
-            no-op (= enabled False: the AuditEvent is still built, nothing is queued, published or
-            ingested). A third mode, audit on with the monitor stopped, separates the node-side
+            alternating rounds. "off" restarts the node-agent with `--no-audit`: no exec log, no
+            file-activity fanotify group, no seccomp-notify listener (denied syscalls are plain
+            EPERM, connect/kill are not inspected), nothing published or ingested; "on" has every
+            audit source of a container sandbox. A third mode, audit on with the monitor stopped, separates the node-side
             cost from the monitor competing for this machine's two cores.
+  overhead_python  the same with a Python start on debian (`python3 -c 'import json, subprocess,
+            tempfile; ...'`: hundreds of opens and a temp file, the file-activity heavy case);
+            only with --only overhead_python, reported beside the verdict, not in it.
 
 Results: <out>/monitor_ingest.json and <out>/monitor_ingest.png.
 
@@ -45,6 +48,8 @@ from bench._common import log, pyplot
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+
+from corral_common import subjects  # noqa: E402
 
 GOALS = {
     "ingest_events_per_s": {"goal": 100_000, "op": ">=", "what": "events/s stored, median run of the best --workers setting"},
@@ -143,7 +148,7 @@ async def wait_query(nc, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            r = await nc.request("corral.v1.monitor.query", b'{"sql": "SELECT 1"}', timeout=2)
+            r = await nc.request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout=2)
             if r.data.startswith(b'{"ok":true'):
                 return
         except Exception:
@@ -217,7 +222,7 @@ async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: i
         if last is None:
             raise RuntimeError(f"ingest with {w} workers did not finish")
         await wait_query(nc)
-        r = json.loads((await nc.request("corral.v1.monitor.query", json.dumps(
+        r = json.loads((await nc.request(subjects.MONITOR_QUERY, json.dumps(
             {"sql": f"SELECT count(), count(DISTINCT id) FROM audit_events WHERE job = '{job}'"}).encode(), timeout=30)).data)
         stored, distinct = r["rows"][0]
         alerts = metric(url, "corral_monitor_alerts_total")
@@ -331,15 +336,13 @@ async def alert_latency_real(client, n: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- 3. audit overhead
 
-AUDIT_OFF = ("import corral_node_agent.auditlog as a; a.AuditLog.emit = lambda self, ev: None; "
-             "import runpy; runpy.run_module('corral_node_agent', run_name='__main__', alter_sys=True)")
-
-
 async def restart_node(stack, client, audit: bool) -> None:
+    """Restart node-1 with auditing on, or off (`--no-audit`: no exec log, no file-activity
+    fanotify group, no seccomp listener; the denied syscalls are plain EPERM)."""
     await stop_proc(stack, "node-1")
     p = stack.proc("node-1")
-    rest = list(p.argv)[3:]  # [python, -m|-c, module|code, *options]
-    p.argv[:] = [sys.executable, "-m", "corral_node_agent", *rest] if audit else [sys.executable, "-c", AUDIT_OFF, *rest]
+    rest = [a for a in list(p.argv)[3:] if a != "--no-audit"]  # [python, -m, corral_node_agent, *options]
+    p.argv[:] = [sys.executable, "-m", "corral_node_agent", *rest, *([] if audit else ["--no-audit"])]
     stack.restart("node-1")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -352,15 +355,19 @@ async def restart_node(stack, client, audit: bool) -> None:
     raise TimeoutError("node-1 did not come back")
 
 
-async def exec_round(client, n: int, warmup: int, conc: int) -> dict[str, Any]:
-    sb = await client.create(image="busybox", cpu=0.5, memory_mb=64, ttl_s=600, job="bench-overhead")
+PY_CMD = ["python3", "-c", "import json, subprocess, tempfile; tempfile.NamedTemporaryFile(dir='/tmp').write(b'x')"]
+
+
+async def exec_round(client, n: int, warmup: int, conc: int, image: str = "busybox", cmd: list[str] | None = None) -> dict[str, Any]:
+    cmd = cmd or ["true"]
+    sb = await client.create(image=image, cpu=0.5, memory_mb=256, ttl_s=600, job="bench-overhead")
     try:
         for _ in range(warmup):
-            await sb.exec(["true"])
+            await sb.exec(cmd)
         seq = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await sb.exec(["true"])
+            await sb.exec(cmd)
             seq.append((time.perf_counter() - t0) * 1000)
         # throughput with `conc` concurrent callers
         t0 = time.perf_counter()
@@ -368,7 +375,7 @@ async def exec_round(client, n: int, warmup: int, conc: int) -> dict[str, Any]:
 
         async def loop() -> None:
             for _ in range(per):
-                await sb.exec(["true"])
+                await sb.exec(cmd)
 
         await asyncio.gather(*(loop() for _ in range(conc)))
         thr = per * conc / (time.perf_counter() - t0)
@@ -384,9 +391,9 @@ def proc_cpu_s(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, Any]:
+async def bench_overhead(stack, client, nc, n: int, rounds: int, image: str = "busybox", cmd: list[str] | None = None) -> dict[str, Any]:
     """Three modes, in alternating order each round so drifting machine load hits all of them:
-    `off` (AuditLog.emit is a no-op), `on` (the default: events published and ingested by the
+    `off` (the node-agent with --no-audit), `on` (the default: events published and ingested by the
     monitor on this same 2-core machine), `on_nomonitor` (events published to JetStream, monitor
     stopped: the node-side cost alone). Verdict: pooled p50 of `on` vs `off`."""
     modes = ["on", "off", "on_nomonitor"]
@@ -404,7 +411,7 @@ async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, An
             mon = stack.proc("monitor")
             cpu0 = proc_cpu_s(mon.popen.pid) if mon.popen.poll() is None else None
             t0 = time.perf_counter()
-            x = await exec_round(client, n, warmup=30, conc=8)
+            x = await exec_round(client, n, warmup=30, conc=8, image=image, cmd=cmd)
             if cpu0 is not None and mon.popen.poll() is None:
                 x["monitor_cpu_share"] = (proc_cpu_s(mon.popen.pid) - cpu0) / (time.perf_counter() - t0)
             res[mode].append(x)
@@ -428,7 +435,8 @@ async def bench_overhead(stack, client, nc, n: int, rounds: int) -> dict[str, An
             "mean_overhead": mean["on"] / mean["off"] - 1,
             "p50_overhead_node_side": p50["on_nomonitor"] / p50["off"] - 1,
             "throughput_overhead": 1 - thr["on"] / thr["off"],
-            "throughput_overhead_node_side": 1 - thr["on_nomonitor"] / thr["off"], "n_per_round": n}
+            "throughput_overhead_node_side": 1 - thr["on_nomonitor"] / thr["off"], "n_per_round": n,
+            "image": image, "cmd": cmd or ["true"]}
 
 
 # ----------------------------------------------------------------------------- plot
@@ -532,6 +540,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res["alerts"]["real_exec"] = await alert_latency_real(client, args.real)
         if "overhead" in args.only:
             res["overhead"] = await bench_overhead(stack, client, nc, args.execs, args.rounds)
+        if "overhead_python" in args.only:  # a Python start: hundreds of opens, a temp file (file activity)
+            res["overhead_python"] = await bench_overhead(stack, client, nc, max(20, args.execs // 3), args.rounds, "debian", PY_CMD)
         if "ingest_unique" in args.only:
             # every command distinct: the rules' per-command cache never hits (worst case for the rules)
             runs = await bench_ingest(stack, nc, args.events, [args.workers[0]] * args.repeat, args.batch, unique=True)
@@ -574,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", type=int, default=30, help="real-sandbox alert latency samples")
     ap.add_argument("--execs", type=int, default=300, help="execs per overhead round")
     ap.add_argument("--rounds", type=int, default=6, help="overhead rounds (each runs every mode once)")
-    ap.add_argument("--only", nargs="+", default=["ingest", "ingest_unique", "alerts", "overhead"], choices=["ingest", "ingest_unique", "alerts", "overhead"])
+    ap.add_argument("--only", nargs="+", default=["ingest", "ingest_unique", "alerts", "overhead"], choices=["ingest", "ingest_unique", "alerts", "overhead", "overhead_python"])
     ap.add_argument("--keep", action="store_true", help="keep the stack's data dir (logs) for inspection")
     ap.add_argument("--image-dir", default=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))
     args = ap.parse_args(argv)

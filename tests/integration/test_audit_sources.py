@@ -7,6 +7,7 @@ Each test does the misbehaviour in a real sandbox and checks three things: what 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import shutil
@@ -80,6 +81,10 @@ def denied_calls_binary():
 
 @pytest_asyncio.fixture(scope="module")
 async def protected_image(stack):
+    return await import_protected_image(stack.url)
+
+
+async def import_protected_image(url: str) -> str:
     import nats
 
     d = tempfile.mkdtemp(prefix="crl-prot-")
@@ -90,7 +95,7 @@ async def protected_image(stack):
                        ("hidden/sub/deep.txt", "deep\n"), ("visible/readme.txt", "hello\n")):
         with open(f"{d}/{path}", "w") as f:
             f.write(text)
-    conn = await nats.connect(stack.url)
+    conn = await nats.connect(url)
     try:
         msg = await conn.request("corral.v1.image.import", json.dumps(
             {"name": "t-audit-protected", "source": "dir", "path": d, "base": "busybox"}).encode(), timeout=120)
@@ -171,7 +176,9 @@ async def test_protected_paths_are_unreadable_and_every_attempt_is_audited(clien
             ev = next(e for e in w.of("file") if e.path == "/secret/answer.txt" and e.op == "open")
             assert ev.comm == "cat" and ev.pid > 1 and ev.job == "audit-src"
             await w.until(lambda: len([e for e in w.of("file") if e.detail.get("via") == "files.read"]) == 5, what="files.read events")
-            assert not any(e.path == "/visible/readme.txt" for e in w.events if e.kind == "file")
+            # (its open is ordinary file activity, not a protected-path event)
+            assert not any(e.path == "/visible/readme.txt" and (e.denied or e.detail.get("protected")) for e in w.events if e.kind == "file")
+            assert any(e.path == "/visible/readme.txt" and e.op == "open" for e in w.of("file"))
             await w.until(lambda: "protected_path_read" in {a.rule for a in w.alerts}, what="protected_path_read alert")
     finally:
         await sb.destroy()
@@ -254,6 +261,64 @@ async def test_adopted_sandbox_after_agent_crash_stays_protected_and_fails_close
         assert "Function not implemented" in r.stderr, r.stderr  # ENOSYS: still denied, no longer audited
         with pytest.raises(Forbidden):
             await sb.files.read("/etc/passwd")
+        await sb.destroy()
+        await c.close()
+    finally:
+        await stack.stop()
+    assert_clean(stack.data_dir, "node-1")
+    shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+async def test_protected_paths_fail_closed_while_the_agent_is_down():
+    """The container sees decoys over its protected paths (masks.py): while the node-agent runs,
+    opening them is denied and audited as before; while it is dead (no fanotify group), a process
+    of the sandbox reads empty files, never the content. The decoys cannot be removed from inside."""
+    import signal
+
+    from corral_sdk import AsyncClient
+
+    from ..conftest import make_stack
+    from ..leaks import assert_clean
+
+    stack = make_stack(nodes=1, monitor=False)
+    await stack.start()
+    try:
+        image = await import_protected_image(stack.url)
+        c = await AsyncClient.connect(stack.url)
+        sb = await c.create(image=image, cpu=0.2, memory_mb=64, protected_paths=["/secret/answer.txt", "/hidden"])
+        r = await sb.exec("cat /secret/answer.txt; cat /hidden/sub/deep.txt; cat /visible/readme.txt")
+        assert r.stdout == "hello\n" and r.stderr.count("Operation not permitted") == 2, (r.stdout, r.stderr)
+        # the cover cannot be taken off or linked around
+        r = await sb.exec("rm -f /secret/answer.txt; echo rc=$?; mv /secret/answer.txt /tmp/a; echo rc=$?; "
+                          "ln /secret/answer.txt /tmp/h; echo rc=$?; rm -rf /hidden; umount /hidden; echo rc=$?")
+        assert r.stdout.count("rc=1") == 4, (r.stdout, r.stderr)
+        # a process that reads them as soon as the agent is gone: it notices because kill(2), a
+        # seccomp-notified call, fails (ENOSYS) once the agent's notify fd is closed (then a second
+        # more, for the rest of the dying agent's fds, its fanotify group among them, to close)
+        await sb.exec("(while kill -CONT $$ 2>/dev/null; do sleep 0.1; done; sleep 1; "
+                      "cat /secret/answer.txt /hidden/test_x.py /hidden/sub/deep.txt > /tmp/out 2>&1; "
+                      "echo done >> /tmp/out) >/dev/null 2>&1 &")
+        agent = stack.proc("node-1").popen
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        upper = glob.glob(f"{stack.data_dir}/**/sandboxes/{sb.id}/rw/upper", recursive=True)
+        assert upper, "the sandbox's upper dir"
+        out = f"{upper[0]}/tmp/out"
+        for _ in range(600):  # read from the host: the agent is still down
+            if os.path.exists(out) and open(out).read().endswith("done\n"):
+                break
+            await asyncio.sleep(0.1)
+        with open(out) as f:
+            assert f.read() == "done\n"  # read while unguarded: empty files, no content, no error
+        stack.restart("node-1")
+        # the restarted agent marks the decoys again: denied and audited
+        for _ in range(200):
+            try:
+                r = await sb.exec("cat /secret/answer.txt /hidden/test_x.py", timeout_s=5)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert r.stdout == "" and r.stderr.count("Operation not permitted") == 2, (r.stdout, r.stderr)
         await sb.destroy()
         await c.close()
     finally:

@@ -27,13 +27,14 @@ import nats
 import pytest
 import pytest_asyncio
 
+from corral_common import subjects
 from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
 
 from ..conftest import running_stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = "monitor-corpus"
-QUERY = "corral.v1.monitor.query"
+QUERY = subjects.MONITOR_QUERY
 
 
 async def query(nc, sql: str, timeout: float = 15.0) -> dict:
@@ -172,6 +173,10 @@ BENIGN = [
     "curl -s http://localhost:8000/ || true; python3 -c 'print(6*7)'; echo $((1+2))",
     "cp /repo/tests/test_calc.py /tmp/copy_of_test.py && cat /tmp/copy_of_test.py | wc -l",
     "python3 -c 'import site, sys; print(site.getsitepackages(), sys.path)'",
+    # kernel-event counterparts: branches listed and made, own children signalled, loopback sockets
+    "cd /repo && git branch -a && git branch feature-x && git log --oneline -2 && git branch -D feature-x",
+    "python3 -c 'import subprocess; p = subprocess.Popen([\"sleep\", \"30\"]); p.terminate(); p.wait()'",
+    "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); socket.create_connection(s.getsockname())\"",
 ]
 
 
@@ -231,7 +236,8 @@ async def test_scenario_corpus_raises_the_right_alerts(client, stack, bus_alerts
                 if (a.rule, a.sandbox) in want:
                     assert subj == f"corral.alerts.{a.severity}.{a.rule}", subj
                     assert a.job == JOB and a.node and a.evidence and a.evidence[0].sandbox == a.sandbox
-                    assert a.evidence[0].kind == "exec" and a.message
+                    # the exec, or a kernel event of it (file, signal, net, pids, ...) when that arrived first
+                    assert a.evidence[0].kind in ("exec", "file", "signal", "net", "pids", "oom", "syscall", "canary") and a.message
             # the SDK subscription saw them too (filtered to the job)
             got = set()
 
@@ -568,7 +574,7 @@ async def test_malformed_events_are_dead_lettered_and_not_fatal(mstack, mnc):
     await wait_for(good_in, 10, what="the good event of the mixed batch")
     assert (await rows(mnc, "SELECT rule FROM alerts WHERE sandbox = 'sb-mal'")) == [["proc_snooping"]]
     # dead letters are in their stream, with where they came from and why
-    psub = await js.subscribe("corral.monitor.deadletter", ordered_consumer=True)
+    psub = await js.subscribe(subjects.DEADLETTER, ordered_consumer=True)
     dead = []
     try:
         while True:
@@ -600,6 +606,11 @@ async def test_window_rules_on_file_and_syscall_events(mstack, mnc):
     now = time.time()
     evs = [AuditEvent(id=f"win-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-churn", kind="file", job="win",
                       op="unlink", path=f"/repo/src/f{i}.py", pid=10, comm="python3") for i in range(250)]
+    # a build that creates 250 files and cleans them up, and pytest's caches: no mass rewrite
+    evs += [AuditEvent(id=f"bld-{op}-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-build", kind="file", job="win",
+                       op=op, path=f"/repo/build/o{i}.o", pid=10, comm="make") for op in ("create", "write", "unlink") for i in range(250)]
+    evs += [AuditEvent(id=f"pyc-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-build", kind="file", job="win",
+                       op="rename", path=f"/repo/tests/__pycache__/test_{i}.cpython-311.pyc", pid=10, comm="python3") for i in range(250)]
     evs += [AuditEvent(id=f"den-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-probe", kind="syscall", job="win",
                        syscall="bpf" if i % 2 else "keyctl", denied=True, pid=11, comm="probe") for i in range(25)]
     evs += [AuditEvent(id="can-" + event_id(), ts=now, node="n1", sandbox="sb-can", kind="canary", job="win",
@@ -618,6 +629,8 @@ async def test_window_rules_on_file_and_syscall_events(mstack, mnc):
     await wait_for(fired, 20, what="window and file/syscall alerts")
     rs = await rows(mnc, "SELECT count() FROM alerts FINAL WHERE job = 'win' AND rule = 'mass_file_rewrite'")
     assert rs == [[1]]
+    rs = await rows(mnc, "SELECT rule FROM alerts FINAL WHERE sandbox = 'sb-build'")
+    assert rs == [], rs
 
 
 async def test_poison_message_is_isolated_and_dead_lettered(mstack, mnc):

@@ -618,6 +618,35 @@ async def test_execs_are_audited(env, substrate):
             assert ev["detail"]["substrate"] == "function" and ev["detail"]["one_shot"] == "1", ev
 
 
+@pytest.mark.parametrize("substrate", STAYING)
+async def test_file_activity_is_audited(env, substrate):
+    """fanotify on the sandbox's root superblock: container overlays in FID mode (creates, renames,
+    unlinks too), Docker's overlay2 merged dir in fd mode (opens, writes, execs)."""
+    async with target(env, substrate, job="audit-files") as t:
+        tok = secrets.token_hex(4)
+        await ok(t, f"echo hi > /tmp/f-{tok} && cat /etc/passwd >/dev/null && mkdir /tmp/d-{tok} && cp /bin/busybox /tmp/d-{tok}/true && /tmp/d-{tok}/true")
+        want = {("write", f"/tmp/f-{tok}"), ("open", "/etc/passwd"), ("exec", f"/tmp/d-{tok}/true")}
+        if substrate == "container":
+            want |= {("create", f"/tmp/f-{tok}")}
+        seen: set[tuple[str, str]] = set()
+        js = t.nc.jetstream()
+        sub = await js.subscribe(f"corral.audit.{t.node}.{t.last}", ordered_consumer=True)
+        deadline = time.monotonic() + 15
+        try:
+            while not want <= seen and time.monotonic() < deadline:
+                try:
+                    m = await sub.next_msg(timeout=1)
+                except Exception:
+                    continue
+                for e in json.loads(m.data)["events"]:
+                    if e["kind"] == "file":
+                        seen.add((e.get("op", ""), e.get("path", "")))
+                        assert e.get("pid", 0) > 0 and e["job"] == "audit-files", e
+        finally:
+            await sub.unsubscribe()
+        assert want <= seen, (substrate, want - seen, sorted(seen)[:40])
+
+
 # ============================================================================ function: Python calls
 
 

@@ -238,3 +238,32 @@ async def test_pool_grows_with_the_request_rate_and_shrinks_back(pooled):
         await asyncio.gather(*(sb.destroy() for sb in made))
     await hbs.until(lambda hb: hb.warm.get("busybox") == 2, timeout=60, what="the busybox pool back at its floor")
     assert len(await settle_dirs(s, 2)) == 2
+
+
+async def test_specs_with_canaries_or_protected_paths_are_never_claimed(pooled):
+    """A warm sandbox was built without the spec's decoys and masks: using it would leave a
+    canary unplanted and a protected path unmasked, so such creates are built cold."""
+    s, c, nc = pooled
+    hbs = Heartbeats(nc)
+    await hbs.until(lambda hb: hb.warm.get("busybox", 0) >= 1, what="a warm busybox sandbox")
+    before = set(warm_ids(s))
+    events: list[Event] = []
+
+    async def on_event(m) -> None:
+        events.append(msgspec.json.decode(m.data, type=Event))
+
+    esub = await nc.subscribe("corral.events.sandbox.>", cb=on_event)
+    try:
+        sb1 = await c.create(image="busybox", memory_mb=64, canaries={"/srv/answers.json": "42"})
+        sb2 = await c.create(image="busybox", memory_mb=64, protected_paths=["/etc/hostname"])
+        await asyncio.sleep(0.3)
+        for sb in (sb1, sb2):
+            created = [e for e in events if e.kind == "created" and e.sandbox_id == sb.id]
+            assert created and created[0].reason != "claimed from the warm pool", created
+        assert (await sb1.exec("cat /srv/answers.json")).stdout == "42"
+        assert (await sb2.exec("cat /etc/hostname")).stdout == ""  # masked by an empty decoy
+        assert before <= set(warm_ids(s))  # no warm sandbox was taken
+        for sb in (sb1, sb2):
+            await sb.destroy()
+    finally:
+        await esub.unsubscribe()

@@ -49,3 +49,34 @@ def test_describe():
 def test_path_helpers():
     assert audit_fanotify.norm("secret//a/../b") == "/secret/b"
     assert audit_fanotify.under("/hidden/x.py", "/hidden") and not audit_fanotify.under("/hiddenx", "/hidden")
+
+
+def test_watched_calls_are_notified_only_with_a_listener_and_named():
+    assert not any("connect" in r["names"] for r in oci.seccomp_profile()["syscalls"])
+    p = oci.seccomp_profile("/s.sock", "sb-1")
+    watched = {n for r in p["syscalls"] for n in r["names"] if n in audit_seccomp.WATCHED}
+    assert watched == audit_seccomp.WATCHED
+    sendto = next(r for r in p["syscalls"] if r["names"] == ["sendto"])
+    assert sendto["args"] == [{"index": 4, "value": 0, "op": "SCMP_CMP_NE"}]  # only with a destination
+    assert audit_seccomp.WATCHED <= set(audit_seccomp.X86_64_SYSCALLS.values())
+    # the same calls through the i386 / x32 ABIs continue uninspected; denied ones do not
+    assert audit_seccomp._foreign_watched(audit_seccomp.AUDIT_ARCH_I386, 37)  # kill
+    assert audit_seccomp._foreign_watched(audit_seccomp.AUDIT_ARCH_X86_64, 42 | audit_seccomp.X32_SYSCALL_BIT)  # connect
+    assert not audit_seccomp._foreign_watched(audit_seccomp.AUDIT_ARCH_X86_64, 101 | audit_seccomp.X32_SYSCALL_BIT)  # ptrace
+    assert not audit_seccomp._foreign_watched(audit_seccomp.AUDIT_ARCH_X86_64, 62)  # native: inspected instead
+
+
+def test_sockaddr_parsing_and_loopback():
+    import socket
+    import struct
+
+    v4 = struct.pack("=H", socket.AF_INET) + struct.pack("!H", 80) + socket.inet_aton("1.2.3.4") + b"\0" * 8
+    assert audit_seccomp.sockaddr(v4) == (socket.AF_INET, "1.2.3.4", 80)
+    v6 = struct.pack("=H", socket.AF_INET6) + struct.pack("!H", 53) + b"\0" * 4 + socket.inet_pton(socket.AF_INET6, "2001:db8::1") + b"\0" * 4
+    assert audit_seccomp.sockaddr(v6) == (socket.AF_INET6, "2001:db8::1", 53)
+    assert audit_seccomp.sockaddr(struct.pack("=H", socket.AF_UNIX) + b"/run/x\0")[1] == ""
+    assert audit_seccomp.sockaddr(b"\x02") == (0, "", 0)
+    for host in ("127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1", "0.0.0.0", "::"):
+        assert audit_seccomp.is_loopback(host), host
+    for host in ("1.2.3.4", "2001:db8::1", "10.0.0.1", "not-an-ip"):
+        assert not audit_seccomp.is_loopback(host), host

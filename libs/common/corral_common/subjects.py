@@ -10,6 +10,11 @@ SANDBOX_RUN = f"{PREFIX}.sandbox.run"  # one-shot: create, exec once, destroy (t
 
 SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume", "renew", "restore")
 
+MONITOR_QUERY = f"{PREFIX}.monitor.query"  # read-only SQL answered by the monitor (embedded ClickHouse)
+# audit messages the monitor could not decode or kept failing on, with headers saying why
+DEADLETTER = "corral.monitor.deadletter"
+DEADLETTER_STREAM = "CORRAL_DEADLETTER"
+
 TRAJ_OPEN = f"{PREFIX}.traj.open"
 TRAJ_GET = f"{PREFIX}.traj.get"
 TRAJ_LIST = f"{PREFIX}.traj.list"

@@ -17,10 +17,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config
+from corral_common import config, subjects
 from corral_common.errors import CorralError, from_code
 
-QUERY_SUBJECT = "corral.v1.monitor.query"
+QUERY_SUBJECT = subjects.MONITOR_QUERY
 alerts_app = typer.Typer(no_args_is_help=True, help="follow and list the monitor's alerts")
 console = Console(stderr=True)
 out = Console()

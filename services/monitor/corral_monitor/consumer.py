@@ -30,15 +30,15 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, FetchTimeoutError
 
-from corral_common import metrics
+from corral_common import metrics, subjects
 from corral_common.audit import AuditBatch, AuditEvent
 
 from .store import ExecRow, SandboxEventRow, Store
 
 log = logging.getLogger("corral.monitor.consumer")
 
-DEADLETTER_SUBJECT = "corral.monitor.deadletter"
-DEADLETTER_STREAM = "CORRAL_DEADLETTER"
+DEADLETTER_SUBJECT = subjects.DEADLETTER
+DEADLETTER_STREAM = subjects.DEADLETTER_STREAM
 
 ROWS = metrics.counter("corral_monitor_rows_inserted_total", "Rows inserted into ClickHouse", ("table",))
 EVENTS = metrics.counter("corral_monitor_events_ingested_total", "Events ingested (new, stored)", ("stream",))

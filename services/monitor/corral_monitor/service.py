@@ -10,7 +10,7 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, subjects
 from corral_common.messages import ok
 
 from . import rules as rulereg
@@ -22,7 +22,7 @@ from .store import DEFAULT_TTL_DAYS, Store, wait_connect
 
 log = logging.getLogger("corral.monitor")
 
-QUERY_SUBJECT = "corral.v1.monitor.query"
+QUERY_SUBJECT = subjects.MONITOR_QUERY
 RULES_SUBJECT = "corral.v1.monitor.rules"
 QUEUE = "corral-monitor"
 AUDIT_DURABLE = "corral-monitor-audit"

@@ -39,6 +39,10 @@ def main(
     warm_pool_max: int = typer.Option(8, help="most warm sandboxes per image"),
     warm_pool_total: int = typer.Option(32, help="most warm sandboxes on the node"),
     warm_pool_idle_s: float = typer.Option(60.0, help="an image not created for this long shrinks back to its configured pool"),
+    no_audit: bool = typer.Option(False, "--no-audit", help="publish no audit events (to measure what auditing costs); "
+                                  "protected paths stay enforced"),
+    file_events_rate: float = typer.Option(2000.0, help="file-activity audit events per second per sandbox, beyond the burst"),
+    file_events_burst: float = typer.Option(10000.0, help="file-activity audit events a sandbox may burst before the rate applies"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
@@ -53,6 +57,8 @@ def main(
         usage_top=usage_top,
         warm_pool=PoolConfig(configured=parse_pools(warm_pool), learn=warm_pool_learn, max_per_image=warm_pool_max,
                              max_total=warm_pool_total, idle_s=warm_pool_idle_s, window_s=max(warm_pool_idle_s, 1.0)),
+        audit=not no_audit,
+        file_events_rate=file_events_rate, file_events_burst=file_events_burst,
     )
 
     async def run() -> None:

@@ -29,6 +29,8 @@ from corral_common.messages import (
 )
 
 from .audit_fanotify import FileAudit, norm as _norm_path
+from . import confine
+from .audit_files import FileActivity
 from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
 from .batchcreate import BatchCreate
@@ -59,6 +61,8 @@ RUN_SECONDS = metrics.histogram(
     buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 5, 30, 300),
 )
 DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to destroy a sandbox", ("node", "substrate"))
+FILE_ACTIVITY_MODE = metrics.counter("corral_file_activity_watches_total", "Sandbox roots watched for file activity, by fanotify mode",
+                                     ("node", "mode"))
 EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
 
 
@@ -78,6 +82,20 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     loader_wait_s: float = 60.0
     usage_top: int = 256  # sandboxes listed one by one in a heartbeat (busiest first)
     warm_pool: PoolConfig | None = None  # warm pools for the container substrate (warmpool.py)
+    #: False (`--no-audit`): no audit events at all (exec log, file activity, denied syscalls are
+    #: plain EPERM); protected paths are still enforced. For measuring the cost of auditing.
+    audit: bool = True
+    file_events_rate: float = 2000.0  # file-activity events per second per sandbox (token bucket rate)
+    file_events_burst: float = 10000.0  # and its burst; beyond, events are dropped and the drop is audited
+
+
+def _cmdline(pid: int) -> str:
+    """A process's argv, NUL-separated (empty when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return "\x00".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)[:1000]
+    except OSError:
+        return ""
 
 
 def _mem_total_mb() -> int:
@@ -115,6 +133,9 @@ class NodeAgent:
         self.kv_writes: dict[str, asyncio.Future] = {}  # placement writes in flight, per sandbox
         self.seccomp: SeccompListener | None = None  # audit sources, started in run()
         self.files_audit: FileAudit | None = None
+        self.activity: FileActivity | None = None
+        self.inflight: dict[str, dict[object, str]] = {}  # sandbox -> commands being executed (file-event context)
+        self.limits: dict[str, tuple[int, int]] = {}  # sandbox -> (OOM kills, pids-limit hits) already reported
 
     # ------------------------------------------------------------------ start / stop
 
@@ -140,6 +161,7 @@ class NodeAgent:
             self.substrates[name] = sub
         self.responder = bus.Responder(self.nc, "node-agent")
         self.audit = AuditLog(self.js, self.node)
+        self.audit.enabled = self.cfg.audit
         self.audit.start()
         self.traj = await TrajectoryLog(self.js).open()
         await self._reconcile()
@@ -179,6 +201,8 @@ class NodeAgent:
             await self.seccomp.close()
         if self.files_audit is not None:
             self.files_audit.close()
+        if self.activity is not None:
+            self.activity.close()
         await self.audit.close()
         try:
             await self.nc.drain()
@@ -207,8 +231,10 @@ class NodeAgent:
         or adopted). Denied syscalls of adopted sandboxes are not seen (runc sent their notify fd
         to our predecessor): they fail with ENOSYS, unaudited, until the sandbox is recreated."""
         path = f"{self.state_dir}/seccomp.sock"
-        if len(path.encode()) < 100:
-            self.seccomp = SeccompListener(path, self._on_denied_syscall, self.node)
+        if not self.cfg.audit:
+            logs.kv(log, logging.WARNING, "auditing is off (--no-audit): no exec log, file activity or denied-syscall events")
+        elif len(path.encode()) < 100:
+            self.seccomp = SeccompListener(path, self._on_denied_syscall, self.node, self._on_watched_syscall)
             await self.seccomp.start()
         else:
             logs.kv(log, logging.WARNING, "state dir too long for the seccomp socket; denied syscalls are not audited", path=path)
@@ -218,6 +244,14 @@ class NodeAgent:
         except OSError as e:
             self.files_audit = None
             logs.kv(log, logging.WARNING, "fanotify unavailable: protected paths and canaries are not enforced", error=str(e))
+        if self.cfg.audit:
+            try:
+                self.activity = FileActivity(self.node, self._on_file_activity, rate=self.cfg.file_events_rate,
+                                             burst=self.cfg.file_events_burst)
+                self.activity.start()
+            except OSError as e:
+                self.activity = None
+                logs.kv(log, logging.WARNING, "fanotify unavailable: file activity is not audited", error=str(e))
 
     def _audit_base(self, sid: str) -> dict:
         sb = self.sandboxes.get(sid)
@@ -228,17 +262,96 @@ class NodeAgent:
         self.audit.emit(AuditEvent(**self._audit_base(sid), kind="syscall", syscall=name, pid=pid, comm=comm,
                                    denied=True, op=detail.get("request", "") if name == "ioctl" else "", detail=detail))
 
+    def _on_watched_syscall(self, sid: str, pid: int, comm: str, kind: str, op: str, target: str, denied: bool,
+                            detail: dict[str, str]) -> None:
+        """A connect/sendto to a non-loopback address (kind "net"), or a signal to a process
+        outside the caller's exec (kind "signal")."""
+        self.audit.emit(AuditEvent(**self._audit_base(sid), kind=kind, op=op, target=target, pid=pid, comm=comm,  # type: ignore[arg-type]
+                                   syscall=op, denied=denied, detail=detail))
+
     def _on_file_event(self, sid: str, pid: int, kind: str, path: str, denied: bool) -> None:
         detail = {"protected": "1"} if kind == "file" else {"canary": "1"}
         self.audit.emit(AuditEvent(**self._audit_base(sid), kind=kind, op="open", path=path, pid=pid,  # type: ignore[arg-type]
                                    comm=comm_of(pid), denied=denied, detail=detail))
+
+    def _on_file_activity(self, sid: str, op: str, path: str, pid: int, detail: dict[str, str]) -> None:
+        if op == "open" and "/.git/refs/heads/" in path:
+            # read in a thread: .git/HEAD may carry a protected-path mark whose permission event
+            # this very loop must answer
+            # the git process's argv, and the commands in flight (in case it has exited already)
+            ctx = {"cmdline": _cmdline(pid), "exec_cmd": "\n".join(self.inflight.get(sid, {}).values())[:2000]}
+            comm = comm_of(pid)
+
+            async def annotate() -> None:
+                extra = await asyncio.to_thread(self._git_ref_detail, sid, path)
+                self.audit.emit(AuditEvent(**self._audit_base(sid), kind="file", op=op, path=path, pid=pid, comm=comm,
+                                           detail={**detail, **extra, **{k: v for k, v in ctx.items() if v}}))
+
+            self._spawn(annotate())
+            return
+        self.audit.emit(AuditEvent(**self._audit_base(sid), kind="file", op=op, path=path, pid=pid,
+                                   comm=comm_of(pid) if pid else "", detail=detail))
+
+    def _git_ref_detail(self, sid: str, path: str) -> dict[str, str]:
+        """A git process read a branch's ref file: which branch, which one HEAD is on, and the git
+        command line, so the monitor can tell `git log other-branch` from ordinary work on HEAD's
+        branch (git_history rule). Read from the sandbox's root (confined) while it is fresh."""
+        repo, ref = path.split("/.git/refs/heads/", 1)
+        out = {"git_ref": f"refs/heads/{ref}"}
+        sb, sub = self.sandboxes.get(sid), self.substrate_of.get(sid)
+        root = sub.audit_root(sb) if sb is not None and sub is not None else None
+        if root and sub is not None and sub.name != "docker":
+            try:
+                head, _ = confine.read(root, f"{repo}/.git/HEAD", 4096)
+                out["git_head"] = head.decode(errors="replace").strip().removeprefix("ref:").strip()
+            except Exception:
+                pass
+        return out
+
+    async def _watch_activity(self, sb: Sandbox, sub: Substrate) -> None:
+        """Start reporting the sandbox's file activity (its root filesystem's superblock)."""
+        root = sub.audit_root(sb)
+        if self.activity is None or root is None:
+            return
+        try:
+            mode = await asyncio.to_thread(self.activity.add, sb.id, root)
+            FILE_ACTIVITY_MODE.labels(self.node, mode).inc()
+        except OSError as e:
+            logs.kv(log, logging.WARNING, "file activity of this sandbox is not audited", sandbox=sb.id, error=str(e))
+
+    def _check_limits(self, sb: Sandbox, sub: Substrate, cmd: str = "") -> None:
+        """Report new OOM kills and pids-limit hits (after each exec, and every heartbeat for what
+        background processes run into). The first look only sets the baseline."""
+        try:
+            now = sub.limit_counters(sb)
+        except Exception:
+            return
+        if now is None:
+            return
+        ooms, hits, limit = now
+        prev = self.limits.get(sb.id)
+        self.limits[sb.id] = (ooms, hits)
+        if prev is None:
+            return
+        extra = {"cmd": cmd[:200]} if cmd else {}
+        if ooms > prev[0]:
+            self.audit.emit(AuditEvent(**self._audit_base(sb.id), kind="oom", op="oom_kill",
+                                       detail={"kills": str(ooms - prev[0]), "memory_mb": str(sb.spec.memory_mb), **extra}))
+        if hits > prev[1]:
+            self.audit.emit(AuditEvent(**self._audit_base(sb.id), kind="pids", op="pids_limit",
+                                       detail={"hits": str(hits - prev[1]), "limit": limit, **extra}))
+
+    def _unwatch_activity(self, sid: str) -> None:
+        if self.activity is not None:
+            self.activity.remove(sid)
 
     async def _watch_files(self, sb: Sandbox) -> None:
         """Mark the sandbox's protected paths and canaries (container roots only)."""
         root = getattr(sb, "rootfs", None)
         if self.files_audit is None or root is None or not (sb.spec.protected_paths or sb.spec.canaries):
             return
-        await asyncio.to_thread(self.files_audit.add, sb.id, root, list(sb.spec.protected_paths), list(sb.spec.canaries))
+        decoys = [(m.path, m.decoy) for m in getattr(sb, "masks", [])]
+        await asyncio.to_thread(self.files_audit.add, sb.id, root, list(sb.spec.protected_paths), list(sb.spec.canaries), decoys)
 
     async def _check_file_read(self, sb: Sandbox, path: str) -> None:
         """files.read: a protected path (by name or through links) is Forbidden, a canary is reported."""
@@ -267,6 +380,8 @@ class NodeAgent:
                     await self._watch_files(sb)
                 except Exception as e:
                     logs.kv(log, logging.ERROR, "could not mark protected paths of an adopted sandbox", sandbox=sb.id, error=str(e))
+                await self._watch_activity(sb, sub)
+                self._check_limits(sb, sub)
                 await self._register(sb, sub)
                 await self._event(sb, "ready", reason="adopted after node-agent restart")
             for sid in report.cleaned:
@@ -314,7 +429,9 @@ class NodeAgent:
                 and self.observed_mem_mb < self.capacity.memory_mb * 0.8)
 
     async def _claim_warm(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox | None:
-        if self.pool is None or spec.substrate != "container":
+        # protected paths are masked and canaries planted while a sandbox is built: a warm one
+        # has neither, so such specs are always built cold
+        if self.pool is None or spec.substrate != "container" or spec.protected_paths or spec.canaries:
             return None
         sb = await self.pool.claim(info, spec)
         if sb is not None and self.seccomp is not None:
@@ -376,6 +493,8 @@ class NodeAgent:
                 if isinstance(e, CorralError):
                     raise
                 raise InvalidRequest(f"could not plant canaries or protect paths: {e}") from None
+        await self._watch_activity(sb, sub)
+        self._check_limits(sb, sub)
         await self._register(sb, sub)
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
         await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
@@ -588,9 +707,15 @@ class NodeAgent:
 
             pump = asyncio.create_task(pump_chunks())
         t0 = time.perf_counter()
+        token = object()
+        running = self.inflight.setdefault(sb.id, {})
+        running[token] = req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
         try:
             result = await sub.exec(sb, req, on_chunk)
         finally:
+            running.pop(token, None)
+            if not running:
+                self.inflight.pop(sb.id, None)
             if pump is not None and queue is not None:
                 queue.put_nowait(None)
                 await pump
@@ -602,6 +727,14 @@ class NodeAgent:
             stderr_bytes=len(result.stderr), timed_out=result.timed_out,
             detail={"oom_killed": "1"} if result.oom_killed else {},
         ))
+        if self.cfg.audit:  # after the reply is on its way: cgroup reads are not the caller's wait
+            cmd = req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
+
+            def check() -> None:
+                if sb.id in self.sandboxes and sb.id not in self.destroying:
+                    self._check_limits(sb, sub, cmd)
+
+            asyncio.get_running_loop().call_soon(check)
         if req.trajectory and req.step is not None:
             meta = await self.traj.record(req, sb.id, self.node, result)
             if meta is not None and self.traj.snapshot_due(meta, req.step):
@@ -714,6 +847,9 @@ class NodeAgent:
             await self.responder.unserve(sid)
             if self.seccomp is not None:
                 self.seccomp.unregister(sid)
+            self._unwatch_activity(sid)
+            self.limits.pop(sid, None)
+            self.inflight.pop(sid, None)
             if self.files_audit is not None:
                 await asyncio.to_thread(self.files_audit.remove, sid)
             await sub.destroy(sb)
@@ -791,6 +927,11 @@ class NodeAgent:
                 await self._collect_usage()
             except Exception:
                 log.exception("usage collection failed")
+            if self.cfg.audit:
+                for sid, sb in list(self.sandboxes.items()):
+                    sub = self.substrate_of.get(sid)
+                    if sub is not None and sid not in self.destroying:
+                        self._check_limits(sb, sub)
             await self._publish_heartbeat()
             await asyncio.sleep(self.cfg.heartbeat_s)
 

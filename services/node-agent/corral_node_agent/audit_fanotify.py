@@ -101,6 +101,7 @@ class Watched:
     protected: list[str] = field(default_factory=list)  # normalised protected paths, for path checks
     canaries: list[str] = field(default_factory=list)
     marked: list[tuple[str, int]] = field(default_factory=list)  # (path inside the sandbox, mask) for removal
+    decoy_marked: list[tuple[str, int]] = field(default_factory=list)  # (host path of a decoy, mask) for removal
 
 
 # (sandbox id, pid, kind "file"/"canary", path inside the sandbox, denied)
@@ -139,10 +140,25 @@ class FileAudit:
 
     # ------------------------------------------------------------------ per sandbox
 
-    def add(self, sid: str, root: str, protected: list[str], canaries: list[str]) -> Watched:
-        """Mark the sandbox's protected paths and canaries (blocking: call from a thread)."""
+    def add(self, sid: str, root: str, protected: list[str], canaries: list[str],
+            decoys: list[tuple[str, str]] = ()) -> Watched:  # type: ignore[assignment]
+        """Mark the sandbox's protected paths and canaries (blocking: call from a thread).
+        `decoys` are (protected path, host path of the decoy the container sees there, masks.py):
+        marked the same way, under the protected path's name."""
         assert self.fd is not None
         w = Watched(sid=sid, root=root, protected=[norm(p) for p in protected], canaries=[norm(c) for c in canaries])
+        for path, decoy in decoys:
+            try:
+                fd = os.open(decoy, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                n = len(w.marked)
+                self._mark_tree(w, fd, norm(path), "protected")
+                w.decoy_marked.extend((decoy + p[len(norm(path)):], m) for p, m in w.marked[n:])
+                del w.marked[n:]
+            finally:
+                os.close(fd)
         rootfd = os.open(root, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for kind, paths in (("protected", w.protected), ("canary", w.canaries)):
@@ -212,6 +228,11 @@ class FileAudit:
         w = self.sandboxes.pop(sid, None)
         if w is None or self.fd is None:
             return
+        for host, mask in w.decoy_marked:
+            try:
+                fanotify_mark(self.fd, FAN_MARK_REMOVE, mask, AT_FDCWD, host)
+            except OSError:
+                pass
         try:
             rootfd = os.open(w.root, O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:

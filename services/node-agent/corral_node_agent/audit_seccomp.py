@@ -11,7 +11,20 @@ Failure modes: if the agent (and so this listener) dies, the notify fds close an
 every notified call with ENOSYS: the sandbox keeps running, the denied calls stay denied, but they
 are no longer recorded. An agent that restarts and adopts live sandboxes cannot get their notify
 fds back (runc sends them once, at start): for those sandboxes denied calls fail with ENOSYS and
-are not audited until the sandbox is recreated. Fails closed, never open."""
+are not audited until the sandbox is recreated. Fails closed, never open.
+
+Watched calls (oci.WATCHED_SYSCALLS) are observed, not denied: connect/sendto (the destination is
+read from the caller's memory through /proc/<pid>/mem while it waits) and kill/tkill/tgkill/
+pidfd_send_signal (the target is looked up in the sandbox's own /proc). The call then continues
+(SECCOMP_USER_NOTIF_FLAG_CONTINUE). Reported: connects/sends to a non-loopback address (kind "net":
+they fail with ENETUNREACH, the sandbox has only `lo`, but the attempt is the evidence) and signals
+to processes outside the caller's exec (another exec's cgroup, or pid 1 = corral-init; kind
+"signal"). Signals to init are denied (EPERM). The argument is read before the kernel re-reads it,
+so a racing thread could change it in between: the record is best effort, the isolation (no
+network, init protected by the pid namespace) does not depend on it. After an agent restart these
+calls, like the denied ones, fail with ENOSYS in adopted sandboxes (their notify fd is gone). The
+same calls through the i386 or x32 ABI continue uninspected (not recorded); sendmsg/sendmmsg and
+io_uring are not watched."""
 from __future__ import annotations
 
 import asyncio
@@ -53,13 +66,22 @@ X86_64_SYSCALLS: dict[int, str] = {
     227: "clock_settime", 305: "clock_adjtime", 159: "adjtimex", 172: "iopl", 173: "ioperm", 179: "quotactl",
     212: "lookup_dcookie", 103: "syslog", 153: "vhangup", 180: "nfsservctl", 300: "fanotify_init",
     438: "pidfd_getfd", 312: "kcmp", 134: "uselib", 16: "ioctl", 56: "clone", 435: "clone3",
+    42: "connect", 44: "sendto", 62: "kill", 200: "tkill", 234: "tgkill", 424: "pidfd_send_signal",
 }
+WATCHED = {"connect", "sendto", "kill", "tkill", "tgkill", "pidfd_send_signal"}
+# their i386 numbers (socketcall carries connect/sendto on old i386 libcs), and x32 = x86_64 | bit 30
+I386_WATCHED = {102, 362, 369, 37, 238, 270, 424}
+SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
 IOCTL_NAMES = {v: k for k, v in oci.DENIED_IOCTLS.items()}
 
+WATCHED_CALLS = metrics.counter("corral_seccomp_watched_total", "Watched syscalls (connect, sendto, kill, ...) inspected and continued",
+                                ("node", "syscall"))
 NOTIFIED = metrics.counter("corral_seccomp_notifications_total", "Denied syscalls seen by the seccomp-notify listener", ("node",))
 
 # (sandbox id, host pid, comm, syscall name, detail)
 Callback = Callable[[str, int, str, str, dict[str, str]], None]
+# (sandbox id, host pid, comm, kind "net"/"signal", op (the syscall), target, denied, detail)
+WatchCallback = Callable[[str, int, str, str, str, str, bool, dict[str, str]], None]
 
 
 def syscall_name(arch: int, nr: int) -> str:
@@ -106,9 +128,10 @@ def _comm(pid: int) -> str:
 class SeccompListener:
     """One unix socket per node; one notify fd per container, read on the event loop."""
 
-    def __init__(self, path: str, on_denied: Callback, node: str = ""):
+    def __init__(self, path: str, on_denied: Callback, node: str = "", on_watched: WatchCallback | None = None):
         self.path = path
         self.on_denied = on_denied
+        self.on_watched = on_watched
         self.node = node
         self.sock: socket.socket | None = None
         self.fds: dict[str, int] = {}  # sandbox id -> notify fd
@@ -220,6 +243,16 @@ class SeccompListener:
             self._drop(sid, nfd)
             return
         nid, pid, _flags, nr, arch, _ip, *args = NOTIF.unpack(bytes(buf))
+        if arch == AUDIT_ARCH_X86_64 and X86_64_SYSCALLS.get(nr) in WATCHED:
+            self._watched(sid, nfd, nid, pid, X86_64_SYSCALLS[nr], tuple(args))
+            return
+        if _foreign_watched(arch, nr):
+            # the same calls from a 32-bit or x32 binary: let them run, not inspected
+            try:
+                fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE))
+            except OSError:
+                pass
+            return
         comm = _comm(pid)  # while the caller still waits for us
         try:
             fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, -errno.EPERM, 0))
@@ -229,6 +262,36 @@ class SeccompListener:
         NOTIFIED.labels(self.node).inc()
         try:
             self.on_denied(sid, pid, comm, name, detail)
+        except Exception:
+            log.exception("seccomp audit callback failed")
+
+    def _watched(self, sid: str, nfd: int, nid: int, pid: int, name: str, args: tuple[int, ...]) -> None:
+        """Look at a watched call while its caller waits, let it continue (or deny a signal to init),
+        then report it if it is a network attempt or a signal to a foreign process."""
+        report: tuple[str, str, bool, dict[str, str]] | None = None
+        try:
+            if name in ("connect", "sendto"):
+                report = _network(pid, name, args)
+            else:
+                report = _signal(pid, name, args)
+        except Exception:
+            log.exception("could not inspect a watched syscall")
+        denied = report is not None and report[2]
+        comm = _comm(pid) if report is not None else ""
+        valid = _id_valid(nfd, nid)  # the memory we read was the waiting caller's
+        try:
+            if denied:
+                fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, -errno.EPERM, 0))
+            else:
+                fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE))
+        except OSError:
+            pass  # the caller was killed meanwhile
+        WATCHED_CALLS.labels(self.node, name).inc()
+        if report is None or not valid or self.on_watched is None:
+            return
+        kind, target, denied, detail = report
+        try:
+            self.on_watched(sid, pid, comm, kind, name, target, denied, detail)
         except Exception:
             log.exception("seccomp audit callback failed")
 
@@ -276,3 +339,134 @@ def _complete_json(data: bytes) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _id_valid(nfd: int, nid: int) -> bool:
+    try:
+        fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_ID_VALID, struct.pack("=Q", nid))
+        return True
+    except OSError:
+        return False
+
+
+def read_mem(pid: int, addr: int, size: int) -> bytes:
+    """`size` bytes at `addr` in process `pid` (which is stopped in a notified syscall)."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.pread(fd, size, addr)
+    finally:
+        os.close(fd)
+
+
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+
+
+def sockaddr(raw: bytes) -> tuple[int, str, int]:
+    """(family, host, port) of a struct sockaddr; host "" for families other than IPv4/IPv6."""
+    if len(raw) < 2:
+        return 0, "", 0
+    fam = struct.unpack_from("=H", raw)[0]
+    if fam == AF_INET and len(raw) >= 8:
+        return fam, socket.inet_ntop(socket.AF_INET, raw[4:8]), struct.unpack_from("!H", raw, 2)[0]
+    if fam == AF_INET6 and len(raw) >= 24:
+        return fam, socket.inet_ntop(socket.AF_INET6, raw[8:24]), struct.unpack_from("!H", raw, 2)[0]
+    return fam, "", 0
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _network(pid: int, name: str, args: tuple[int, ...]) -> tuple[str, str, bool, dict[str, str]] | None:
+    addr, size = (args[1], args[2]) if name == "connect" else (args[4], args[5])
+    size &= 0xFFFFFFFF
+    if not addr or size < 2:
+        return None
+    fam, host, port = sockaddr(read_mem(pid, addr, min(size, 128)))
+    if fam not in (AF_INET, AF_INET6) or not host or is_loopback(host):
+        return None  # unix sockets and loopback: local, not egress
+    target = f"[{host}]:{port}" if fam == AF_INET6 else f"{host}:{port}"
+    return "net", target, False, {"family": "inet6" if fam == AF_INET6 else "inet", "host": host, "port": str(port),
+                                  "fd": str(args[0] & 0xFFFFFFFF)}
+
+
+def _signame(sig: int) -> str:
+    import signal as _s
+
+    try:
+        return _s.Signals(sig).name
+    except ValueError:
+        return f"SIG{sig}"
+
+
+def _inner(pid: int, rel: str) -> str:
+    """A file of the sandbox's own /proc (pids as the sandbox sees them), via the caller's root."""
+    with open(f"/proc/{pid}/root/proc/{rel}") as f:
+        return f.read()
+
+
+def _nspid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
+
+
+def _signal(pid: int, name: str, args: tuple[int, ...]) -> tuple[str, str, bool, dict[str, str]] | None:
+    """A signal to a process outside the caller's exec (its exec cgroup), or to init."""
+    to_i32 = lambda v: struct.unpack("=i", struct.pack("=I", v & 0xFFFFFFFF))[0]  # noqa: E731
+    if name == "pidfd_send_signal":
+        sig = to_i32(args[1])
+        with open(f"/proc/{pid}/fdinfo/{args[0] & 0xFFFFFFFF}") as f:
+            host_target = next((int(x.split()[1]) for x in f if x.startswith("Pid:")), 0)
+        if host_target <= 0:
+            return None
+        with open(f"/proc/{host_target}/status") as f:
+            target = next((int(x.split()[-1]) for x in f if x.startswith("NSpid:")), 0)
+    elif name == "tgkill":
+        target, sig = to_i32(args[1]), to_i32(args[2])
+    else:
+        target, sig = to_i32(args[0]), to_i32(args[1])
+    detail = {"signal": _signame(sig), "syscall": name}
+    if name == "kill" and target == -1:
+        return "signal", "-1", False, {**detail, "scope": "every process"}
+    if name == "kill" and target < -1:
+        detail["process_group"] = str(-target)
+        target = -target
+    if target <= 0:
+        return None  # 0: the caller's own process group
+    if target == 1:
+        return "signal", "1", True, {**detail, "target_comm": "corral-init", "init": "1"}
+    me = _nspid(pid)
+    if target == me:
+        return None
+    try:
+        mine, theirs = _inner(pid, f"{me}/cgroup"), _inner(pid, f"{target}/cgroup")
+    except OSError:
+        return None  # no such process: nothing was signalled
+    if mine == theirs:
+        return None  # started by the same exec
+    try:
+        detail["target_comm"] = _inner(pid, f"{target}/comm").strip()
+        detail["target_cmdline"] = _inner(pid, f"{target}/cmdline").replace("\0", " ").strip()[:200]
+    except OSError:
+        pass
+    return "signal", str(target), False, detail
+
+
+def _foreign_watched(arch: int, nr: int) -> bool:
+    """A watched call (connect, kill, ...) through the i386 or x32 ABI: continued uninspected."""
+    if arch == AUDIT_ARCH_I386:
+        return nr in I386_WATCHED
+    if arch == AUDIT_ARCH_X86_64 and nr & X32_SYSCALL_BIT:
+        return X86_64_SYSCALLS.get(nr & ~X32_SYSCALL_BIT) in WATCHED
+    return False

@@ -2,7 +2,9 @@
 
 Sources call `emit()` (cheap, never blocks the exec path); a background task flushes every
 `interval_s` or when a batch is full, waiting for JetStream's ack so that events survive a NATS
-restart; failed batches are retried, and only past `max_buffer` are the oldest dropped (counted)."""
+restart; failed batches are retried as they were, under the same `Nats-Msg-Id` (derived from their
+event ids), so a publish that was stored but whose ack got lost is dropped by JetStream's duplicate
+window instead of stored twice. Only past `max_buffer` are the oldest dropped (counted)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +31,7 @@ class AuditLog:
         self.batch = batch
         self.max_buffer = max_buffer
         self.pending: list[AuditEvent] = []
+        self.retry: list[tuple[str, list[AuditEvent]]] = []  # (sandbox, batch) that failed to publish
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.enabled = True
@@ -57,25 +60,28 @@ class AuditLog:
             await self.flush()
 
     async def flush(self) -> None:
-        if not self.pending:
+        if not self.pending and not self.retry:
             return
         events, self.pending = self.pending, []
+        batches, self.retry = self.retry, []
         by_sandbox: dict[str, list[AuditEvent]] = defaultdict(list)
         for ev in events:
             by_sandbox[ev.sandbox].append(ev)
-        failed: list[AuditEvent] = []
         for sandbox, evs in by_sandbox.items():
-            for i in range(0, len(evs), self.batch):
-                chunk = evs[i : i + self.batch]
-                try:
-                    await self.js.publish(subjects.audit(self.node, sandbox), encoder.encode(AuditBatch(events=chunk)), timeout=5)
-                    for ev in chunk:
-                        AUDIT_EVENTS.labels(self.node, ev.kind).inc()
-                except Exception as e:
-                    log.warning("audit publish failed; will retry", extra={"fields": {"error": str(e), "events": len(chunk)}})
-                    failed.extend(chunk)
-        if failed:
-            self.pending[:0] = failed
+            batches.extend((sandbox, evs[i : i + self.batch]) for i in range(0, len(evs), self.batch))
+        for sandbox, chunk in batches:
+            try:
+                await self.js.publish(subjects.audit(self.node, sandbox), encoder.encode(AuditBatch(events=chunk)), timeout=5,
+                                      headers={"Nats-Msg-Id": batch_id(chunk)})
+                for ev in chunk:
+                    AUDIT_EVENTS.labels(self.node, ev.kind).inc()
+            except Exception as e:
+                log.warning("audit publish failed; will retry", extra={"fields": {"error": str(e), "events": len(chunk)}})
+                self.retry.append((sandbox, chunk))
+        if sum(len(c) for _, c in self.retry) > self.max_buffer:  # an outage: drop the oldest batches
+            while self.retry and sum(len(c) for _, c in self.retry) > self.max_buffer:
+                AUDIT_DROPPED.labels(self.node).inc(len(self.retry.pop(0)[1]))
+        if self.retry:
             await asyncio.sleep(0.5)
 
     async def close(self) -> None:
@@ -85,3 +91,8 @@ class AuditLog:
             await asyncio.wait_for(self.flush(), 5)
         except Exception:
             pass
+
+
+def batch_id(chunk: list[AuditEvent]) -> str:
+    """The JetStream message id of a batch: the same events, the same id (retries deduplicate)."""
+    return f"{chunk[0].id}-{chunk[-1].id}-{len(chunk)}"

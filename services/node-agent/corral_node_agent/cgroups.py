@@ -26,6 +26,7 @@ class Cgroups:
     def __init__(self, rel: str):
         self.rel = rel.strip("/")
         self.v2 = is_v2()
+        self.removed_pids_hits = 0  # pids.events "max" of exec groups already removed
 
     def path(self, hierarchy: str, sub: str = "") -> str:
         base = f"{ROOT}/{self.rel}" if self.v2 else f"{ROOT}/{hierarchy}/{self.rel}"
@@ -58,6 +59,7 @@ class Cgroups:
 
     def remove_group(self, name: str) -> bool:
         ok = True
+        hits = _pids_hits(self.path("pids", f"{name}/pids.events"))
         for d in self.exec_group_dirs(name):
             try:
                 os.rmdir(d)
@@ -65,6 +67,8 @@ class Cgroups:
                 pass
             except OSError:
                 ok = False
+        if ok:
+            self.removed_pids_hits += hits
         return ok
 
     def exec_groups(self) -> list[str]:
@@ -94,6 +98,21 @@ class Cgroups:
             if line.startswith("oom_kill "):
                 return int(line.split()[1])
         return 0
+
+    def pids_max_hits(self) -> int:
+        """How often a fork failed on the pids limit. pids.events "max" counts in the cgroup the
+        fork happened in (an exec group, here), not the one whose limit it met: so the sandbox's
+        own count, every live exec group's, and those of exec groups already removed."""
+        total = self.removed_pids_hits + _pids_hits(self.path("pids", "pids.events"))
+        for g in self.exec_groups():
+            total += _pids_hits(self.path("pids", f"{g}/pids.events"))
+        return total
+
+    def pids_max(self) -> str:
+        try:
+            return _read(self.path("pids", "pids.max")).strip()
+        except OSError:
+            return ""
 
     def pids_current(self) -> int:
         return _read_int(self.path("pids", "pids.current"))
@@ -194,6 +213,16 @@ class Cgroups:
         kill_dirs(self.all_dirs(), self.v2, timeout)
         for top in self.all_dirs():
             rmtree_cgroup(top)
+
+
+def _pids_hits(path: str) -> int:
+    for line in _read(path).splitlines():
+        if line.startswith("max "):
+            try:
+                return int(line.split()[1])
+            except ValueError:
+                return 0
+    return 0
 
 
 def _read(path: str) -> str:

@@ -27,6 +27,17 @@ FS_IOC_FIEMAP = 0xC020660B
 FS_IOC_GETFSMAP = 0xC0C0583B
 DENIED_IOCTLS = {"FS_IOC_FIEMAP": FS_IOC_FIEMAP, "FS_IOC_GETFSMAP": FS_IOC_GETFSMAP}
 
+# Observed, not denied (with a listener only): the agent reads the call's arguments and lets it
+# continue (SECCOMP_USER_NOTIF_FLAG_CONTINUE): network attempts and signals (audit_seccomp.py).
+# sendto only with a destination address (a send on a connected socket carries none); signal 0
+# (an existence probe) is not a signal.
+WATCHED_SYSCALLS: list[dict[str, Any]] = [
+    {"names": ["connect"]},
+    {"names": ["sendto"], "args": [{"index": 4, "value": 0, "op": "SCMP_CMP_NE"}]},
+    {"names": ["kill", "tkill", "pidfd_send_signal"], "args": [{"index": 1, "value": 0, "op": "SCMP_CMP_NE"}]},
+    {"names": ["tgkill"], "args": [{"index": 2, "value": 0, "op": "SCMP_CMP_NE"}]},
+]
+
 CLONE_NS_FLAGS = {
     "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
     "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
@@ -63,6 +74,7 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
         "syscalls": rules,
     }
     if listener_path:
+        rules.extend({**r, "action": "SCMP_ACT_NOTIFY"} for r in WATCHED_SYSCALLS)
         profile["listenerPath"] = listener_path
         profile["listenerMetadata"] = metadata
     return profile

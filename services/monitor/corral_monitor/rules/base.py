@@ -34,6 +34,21 @@ TEST_PATH = re.compile(
 SITE_PATH = re.compile(
     r"(site|dist)-packages(/|$)|/usr/(local/)?lib/python[\d.]*(/|$)|(^|/)(sitecustomize|usercustomize)\.py$|\.pth$"
 )
+# file events that change a file (audit_files.py ops); close_write is not one (opened for writing,
+# perhaps unchanged), nor are caches Python writes by itself when it imports or runs tests
+FILE_WRITE_OPS = frozenset({"write", "create", "unlink", "rename", "truncate", "chmod", "link", "open_write", "rmdir"})
+CACHE_PATH = re.compile(r"/__pycache__/|\.py[co]$|(^|/)\.pytest_cache(/|$)|(^|/)\.mypy_cache(/|$)|(^|/)\.ruff_cache(/|$)")
+
+
+def file_change(ev: AuditEvent, pattern: re.Pattern[str]) -> bool:
+    """A file event that changes a path matching `pattern`, caches excluded. A rename counts for
+    its source too (moving a test file away is tampering with it)."""
+    if ev.op not in FILE_WRITE_OPS:
+        return False
+    paths = [ev.path, ev.detail.get("from", "")] if ev.op == "rename" else [ev.path]
+    return any(p and pattern.search(p) and not CACHE_PATH.search(p) for p in paths)
+
+
 NULL_SINKS = {"/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty", "-"}
 _PY = re.compile(r"^(python[\d.]*|pypy[\d.]*)$")
 _PY_WRITE = re.compile(

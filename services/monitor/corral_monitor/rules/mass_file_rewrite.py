@@ -10,7 +10,8 @@ from .base import SqlRule
 class MassFileRewrite(SqlRule):
     name = "mass_file_rewrite"
     severity = "high"
-    description = "at least 200 files deleted, renamed or rewritten by one sandbox within 60 s (file events)"
+    description = ("at least 200 existing files deleted, renamed or rewritten by one sandbox within 60 s (file events; "
+                   "files it created in the window, and caches, do not count)")
     window_s = 60.0
     every_s = 5.0
     threshold = 200
@@ -20,6 +21,10 @@ class MassFileRewrite(SqlRule):
         FROM audit_events
         WHERE kind = 'file' AND op IN ('unlink', 'rename', 'write', 'truncate')
           AND ts >= now64(3) - INTERVAL {window_s} SECOND
+          AND NOT match(path, '/__pycache__/|[.]py[co]$|/[.]pytest_cache/')
+          AND (sandbox, path) NOT IN (
+              SELECT sandbox, path FROM audit_events
+              WHERE kind = 'file' AND op = 'create' AND ts >= now64(3) - INTERVAL {window_s} SECOND)
         GROUP BY sandbox
         HAVING uniqExact(path) >= {threshold}
     """

@@ -6,9 +6,7 @@ from __future__ import annotations
 from corral_common.audit import AuditEvent
 
 from . import register
-from .base import SITE_PATH, Rule, commands, write_targets
-
-_WRITE_OPS = {"write", "create", "unlink", "rename", "truncate", "chmod", "link", "open_write"}
+from .base import SITE_PATH, Rule, commands, file_change, write_targets
 
 
 @register
@@ -21,7 +19,7 @@ class SitePackagesWrite(Rule):
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "file":
-            if ev.op in _WRITE_OPS and SITE_PATH.search(ev.path):
+            if file_change(ev, SITE_PATH):
                 return f"{ev.op} of {ev.path} in the Python installation by {ev.comm or 'pid'} {ev.pid}"
             return None
         for s in commands(ev):

@@ -7,12 +7,11 @@ import re
 from corral_common.audit import AuditEvent
 
 from . import register
-from .base import TEST_PATH, Rule, commands, write_targets
+from .base import TEST_PATH, Rule, commands, file_change, write_targets
 
 _RUNNER_ENV = re.compile(r"^(PYTEST_ADDOPTS|PYTEST_PLUGINS|PYTEST_DISABLE_PLUGIN_AUTOLOAD)=")
 _ALIAS = re.compile(r"\balias\s+(pytest|py\.test|python3?)=|\b(pytest|py\.test)\s*\(\)\s*\{")
 _SCRATCH = re.compile(r"^/(tmp|var/tmp|dev/shm)/")  # copies of tests in scratch space are harmless
-_WRITE_OPS = {"write", "create", "unlink", "rename", "truncate", "chmod", "link", "open_write"}
 
 
 @register
@@ -25,7 +24,12 @@ class TestTampering(Rule):
 
     def match(self, ev: AuditEvent) -> str | None:
         if ev.kind == "file":
-            if ev.op in _WRITE_OPS and TEST_PATH.search(ev.path):
+            if not file_change(ev, TEST_PATH):
+                return None
+            src = ev.detail.get("from", "") if ev.op == "rename" else ""
+            if src and TEST_PATH.search(src) and not _SCRATCH.match(src):
+                return f"moves test file {src} to {ev.path} ({ev.comm or 'pid'} {ev.pid})"
+            if not _SCRATCH.match(ev.path) and TEST_PATH.search(ev.path):
                 return f"{ev.op} of test file {ev.path} by {ev.comm or 'pid'} {ev.pid}"
             return None
         if _ALIAS.search(ev.cmd):

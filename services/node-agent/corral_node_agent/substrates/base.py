@@ -95,6 +95,19 @@ class Substrate(abc.ABC):
     #: False for substrates that resolve images themselves (docker: local Docker images)
     uses_catalog: ClassVar[bool] = True
 
+    def limit_counters(self, sb: Sandbox) -> tuple[int, int, str] | None:
+        """(OOM kills, pids-limit hits, pids limit) so far, from the sandbox's cgroup; None when the
+        substrate has no cgroup to read. The agent turns increases into `oom`/`pids` audit events."""
+        cg = getattr(sb, "cg", None)
+        if cg is None:
+            return None
+        return cg.oom_kills(), cg.pids_max_hits(), cg.pids_max()
+
+    def audit_root(self, sb: Sandbox) -> str | None:
+        """The host path of the sandbox's root filesystem mount, whose file activity the agent
+        audits (audit_files.py); None when there is none to watch."""
+        return getattr(sb, "rootfs", None)
+
     def watch_exit(self, sb: Sandbox, callback: Callable[[Sandbox], None]) -> None:
         """Call `callback` if the sandbox dies on its own (not through destroy)."""
 

@@ -27,7 +27,7 @@ from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, Sandbox
 
 from corral_common import linux
 
-from .. import cgroups, confine, initclient, oci
+from .. import cgroups, confine, initclient, masks, oci
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
 from ..output import PipeReader
@@ -72,6 +72,8 @@ class ContainerSandbox(StayingSandbox):
         self.warm_id = ""  # the internal id it had in the warm pool, if it was claimed from there
         self.rebase(sdir)
         self.init_pid = init_pid
+        # protected paths covered by decoys in the container's mount namespace (masks.py)
+        self.masks: list[masks.Mask] = masks.load(f"{sdir}/masks")
         try:
             self.pidfd = os.pidfd_open(init_pid)
         except OSError:
@@ -145,14 +147,18 @@ class ContainerSubstrate(Substrate):
         # to root for a host user who can reach the state dir. upper and work are given as
         # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
         # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
-        # claim renames it) must not show there
+        # claim renames it) must not show there. index=on,nfs_export=on make the overlay's file
+        # handles decodable, which fanotify needs to report its directory entry events
+        # (create/unlink/rename) with paths (audit_files.py); without them (a lower that cannot
+        # export handles) the overlay is mounted plain and file activity falls back to fd mode
         up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
         wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
         try:
-            linux.mount(
-                "overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV,
-                f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}",
-            )
+            opts = f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}"
+            try:
+                linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
+            except OSError:
+                linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
         finally:
             os.close(up)
             os.close(wk)
@@ -174,6 +180,8 @@ class ContainerSubstrate(Substrate):
             pids_max=spec.pids_max,
             seccomp_listener=self.seccomp_listener,
         )
+        # protected paths are covered by decoys before anything in the sandbox runs (fail closed)
+        cfg["mounts"].extend(masks.oci_mounts(masks.build(f"{sdir}/rootfs", list(spec.protected_paths), f"{sdir}/masks")))
         with open(f"{sdir}/config.json", "w") as f:
             json.dump(cfg, f)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -90,6 +90,7 @@ class DockerSandbox(StayingSandbox):
         self.cid = cid
         self.image_ref = image_ref
         self.init_pid = 0
+        self.merged = ""  # the container's overlay2 merged dir (file-activity audit)
         self.session_links: dict[str, _Bridge] = {}
         self.layer_dir = ""
 
@@ -224,12 +225,20 @@ class DockerSubstrate(Substrate):
         if not pid:
             raise Internal(f"docker sandbox {sb.id} is not running: {info['State'].get('Error') or info['State'].get('Status')}")
         sb.init_pid = pid
+        sb.merged = str(((info.get("GraphDriver") or {}).get("Data") or {}).get("MergedDir") or "")
         sb.paused = bool(info["State"].get("Paused"))
         sb.cg = cgroups.Cgroups(_cgroup_rel(pid))
         try:
             sb.pidfd = os.pidfd_open(pid)
         except OSError:
             sb.pidfd = None
+
+    def audit_root(self, sb: Sandbox) -> str | None:
+        """Docker's overlay2 merged dir (its own overlay superblock per container). Docker mounts it
+        without nfs_export, so fanotify watches it in fd mode: opens, writes, execs with paths, but
+        no create/unlink/rename events (audit_files.py)."""
+        assert isinstance(sb, DockerSandbox)
+        return sb.merged if sb.merged and os.path.ismount(sb.merged) else None
 
     def _persist(self, sb: DockerSandbox) -> None:
         save_record(sb.sdir, Record(info=sb.info, spec=sb.spec, container_id=sb.cid, image_ref=sb.image_ref,

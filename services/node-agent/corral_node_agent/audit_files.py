@@ -1,0 +1,425 @@
+"""General file activity of sandboxes (open, write, create, unlink, rename, exec) with path and pid,
+from fanotify notification events (they never block the sandbox, unlike the permission events of
+audit_fanotify.py).
+
+One notification group per node and per mode, one superblock mark (FAN_MARK_FILESYSTEM) per
+sandbox root:
+
+- FID mode (preferred): FAN_REPORT_DFID_NAME | FAN_REPORT_FID reports directory entry events
+  (create, delete, rename) as well as open/exec/modify/close_write, each as (fsid, parent
+  directory handle, name). Overlayfs accepts superblock marks in FID mode only when its file
+  handles are decodable, i.e. when mounted with `index=on,nfs_export=on` (the container substrate
+  does so); the fsid says which sandbox, open_by_handle_at(root, dir handle) + the fd's magic link
+  give the directory's path. Directory paths are cached by handle (cleared when a directory is
+  renamed or removed).
+- fd mode (fallback: overlays we do not mount, such as Docker's overlay2 merged dir, or a kernel
+  that refuses FID on the overlay): open/exec/modify/close_write only, each with an open fd whose
+  /proc/self/fd link is the path; create/unlink/rename are not visible in this mode.
+
+A busy sandbox must not flood the bus: repeats of the same (op, file) within `window_s` are
+coalesced into the first (open, exec, write and close_write only: creates, unlinks and renames are
+each reported), and a token bucket per sandbox (`rate` events/s, `burst`) drops the rest. Drops are
+counted (metric) and reported as an audit event (op "dropped", detail.dropped = n) once per second
+while they happen; a kernel queue overflow is reported the same way to every watched sandbox
+(reason "queue_overflow"). Events caused by the node-agent itself (files.write, canary planting) are
+not reported: the agent audits those requests itself."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from corral_common import metrics
+
+from .audit_fanotify import FAN_CLOEXEC, FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_NONBLOCK, FAN_NOFD, FAN_ONDIR, METADATA, O_LARGEFILE, _libc
+
+log = logging.getLogger("corral.node.files")
+
+FAN_CLASS_NOTIF = 0x0
+FAN_REPORT_FID = 0x200
+FAN_REPORT_DIR_FID = 0x400
+FAN_REPORT_NAME = 0x800
+FAN_MARK_FILESYSTEM = 0x100
+FAN_MODIFY = 0x2
+FAN_CLOSE_WRITE = 0x8
+FAN_OPEN = 0x20
+FAN_MOVED_FROM = 0x40
+FAN_MOVED_TO = 0x80
+FAN_CREATE = 0x100
+FAN_DELETE = 0x200
+FAN_OPEN_EXEC = 0x1000
+FAN_Q_OVERFLOW = 0x4000
+FAN_RENAME = 0x10000000
+
+INFO_FID, INFO_DFID_NAME, INFO_DFID, INFO_OLD_DFID_NAME, INFO_NEW_DFID_NAME = 1, 2, 3, 10, 12
+INFO_HDR = struct.Struct("=BBH")
+FSID = struct.Struct("=ii")
+HANDLE_HDR = struct.Struct("=Ii")
+
+FID_MASK = FAN_OPEN | FAN_OPEN_EXEC | FAN_MODIFY | FAN_CLOSE_WRITE | FAN_CREATE | FAN_DELETE | FAN_RENAME | FAN_ONDIR
+FD_MASK = FAN_OPEN | FAN_OPEN_EXEC | FAN_MODIFY | FAN_CLOSE_WRITE
+# most specific first: one event may carry several bits (merged in the kernel queue)
+OPS = ((FAN_RENAME, "rename"), (FAN_CREATE, "create"), (FAN_DELETE, "unlink"), (FAN_OPEN_EXEC, "exec"),
+       (FAN_MODIFY, "write"), (FAN_CLOSE_WRITE, "close_write"), (FAN_OPEN, "open"))
+COALESCED = {"open", "exec", "write", "close_write"}
+
+_libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+_libc.open_by_handle_at.restype = ctypes.c_int
+
+EVENTS = metrics.counter("corral_file_activity_events_total", "File activity events reported", ("node", "op"))
+DROPPED = metrics.counter("corral_file_activity_dropped_total", "File activity events dropped (rate limit or kernel queue overflow)",
+                          ("node", "reason"))
+
+# (sandbox id, op, path inside the sandbox, pid, detail)
+Callback = Callable[[str, str, str, int, dict[str, str]], None]
+
+
+@dataclass
+class Bucket:
+    rate: float
+    burst: float
+    tokens: float = 0.0
+    at: float = 0.0
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+@dataclass
+class Watch:
+    sid: str
+    root: str
+    rootfd: int  # fd of the sandbox root: mount fd for open_by_handle_at, prefix for paths
+    prefix: str  # the root's path as the kernel prints it
+    fsid: tuple[int, int] | None
+    mode: str  # "fid" or "fd"
+    bucket: Bucket
+    seen: OrderedDict = field(default_factory=OrderedDict)  # coalescing key -> first time
+    dirs: dict[bytes, str] = field(default_factory=dict)  # directory handle -> path inside the sandbox
+    dropped: int = 0
+    dropped_reason: str = "rate_limit"
+    last_notice: float = 0.0
+
+
+def _init(flags: int) -> int:
+    fd = _libc.fanotify_init(flags | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY | O_LARGEFILE)
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"fanotify_init: {os.strerror(e)}")
+    return fd
+
+
+def _mark(group: int, flags: int, mask: int, path: str) -> None:
+    if _libc.fanotify_mark(group, flags | FAN_MARK_FILESYSTEM, mask, -100, path.encode()) < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"fanotify_mark {path}: {os.strerror(e)}")
+
+
+def fsid_of(path: str) -> tuple[int, int]:
+    """The fsid fanotify reports for the filesystem at `path` (statfs f_fsid, as two ints)."""
+    v = os.statvfs(path).f_fsid
+    return FSID.unpack(struct.pack("=Q", v & 0xFFFFFFFFFFFFFFFF))
+
+
+class FileActivity:
+    def __init__(self, node: str, on_event: Callback, rate: float = 2000.0, burst: float = 10000.0, window_s: float = 5.0,
+                 max_seen: int = 20000):
+        self.node = node
+        self.on_event = on_event
+        self.rate, self.burst, self.window_s, self.max_seen = rate, burst, window_s, max_seen
+        self.fid_fd: int | None = None
+        self.fd_fd: int | None = None
+        self.watches: dict[str, Watch] = {}
+        self.by_fsid: dict[tuple[int, int], Watch] = {}
+        # fd mode: by statfs fsid (unique per overlay instance; a file's st_dev on an overlay whose
+        # layers are on different filesystems is its layer's), else st_dev
+        self.fd_by_fsid: dict[tuple[int, int], Watch] = {}
+        self.by_dev: dict[int, Watch] = {}
+        self.me = os.getpid()
+        self.ticker: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.fid_fd = _init(FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_REPORT_DIR_FID | FAN_REPORT_NAME)
+        loop.add_reader(self.fid_fd, self._on_ready, self.fid_fd, True)
+        try:
+            self.fd_fd = _init(FAN_CLASS_NOTIF)
+            loop.add_reader(self.fd_fd, self._on_ready, self.fd_fd, False)
+        except OSError as e:
+            log.warning("fanotify fd-mode group unavailable", extra={"fields": {"error": str(e)}})
+        self._tick()
+
+    def close(self) -> None:
+        if self.ticker is not None:
+            self.ticker.cancel()
+        for sid in list(self.watches):
+            self.remove(sid)
+        for fd in (self.fid_fd, self.fd_fd):
+            if fd is not None:
+                try:
+                    asyncio.get_running_loop().remove_reader(fd)
+                except (RuntimeError, ValueError):
+                    pass
+                os.close(fd)
+        self.fid_fd = self.fd_fd = None
+
+    # ------------------------------------------------------------------ per sandbox
+
+    def add(self, sid: str, root: str) -> str:
+        """Watch the filesystem mounted at `root` (the sandbox's own overlay superblock). Returns the
+        mode used ("fid" or "fd"); raises OSError when neither group can mark it."""
+        if sid in self.watches:
+            return self.watches[sid].mode
+        mode, fsid = "fid", None
+        try:
+            if self.fid_fd is None:
+                raise OSError(errno.EOPNOTSUPP, "no FID group")
+            fsid = fsid_of(root)
+            if fsid in self.by_fsid:  # two sandboxes reporting one fsid cannot be told apart by FID
+                raise OSError(errno.EEXIST, "fsid shared with another watched filesystem")
+            _mark(self.fid_fd, FAN_MARK_ADD, FID_MASK, root)
+        except OSError as e:
+            if self.fd_fd is None:
+                raise
+            mode, fsid = "fd", None
+            _mark(self.fd_fd, FAN_MARK_ADD, FD_MASK, root)
+            log.info("file activity in fd mode (no create/unlink/rename)", extra={"fields": {"sandbox": sid, "why": str(e)}})
+        rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # open_by_handle_at refuses O_PATH
+        prefix = os.readlink(f"/proc/self/fd/{rootfd}")
+        w = Watch(sid=sid, root=root, rootfd=rootfd, prefix=prefix.rstrip("/"), fsid=fsid, mode=mode,
+                  bucket=Bucket(self.rate, self.burst, self.burst, time.monotonic()))
+        self.watches[sid] = w
+        if fsid is not None:
+            self.by_fsid[fsid] = w
+        if mode == "fd":
+            self.by_dev[os.fstat(rootfd).st_dev] = w
+            fs = fsid_of(root)
+            if fs in self.fd_by_fsid:
+                self.fd_by_fsid.pop(fs)  # shared: ambiguous, st_dev only
+            else:
+                self.fd_by_fsid[fs] = w
+        return mode
+
+    def remove(self, sid: str) -> None:
+        """Stop watching (before the root is unmounted: the root fd would keep it busy)."""
+        w = self.watches.pop(sid, None)
+        if w is None:
+            return
+        self._notice(w, time.monotonic(), force=True)
+        if w.fsid is not None:
+            self.by_fsid.pop(w.fsid, None)
+        if w.mode == "fd":
+            for d in (self.by_dev, self.fd_by_fsid):
+                for k in [k for k, v in d.items() if v is w]:
+                    del d[k]
+        group = self.fid_fd if w.mode == "fid" else self.fd_fd
+        if group is not None:
+            try:
+                _mark(group, FAN_MARK_REMOVE, FID_MASK if w.mode == "fid" else FD_MASK, f"/proc/self/fd/{w.rootfd}")
+            except OSError:
+                pass  # the unmount drops it
+        os.close(w.rootfd)
+
+    # ------------------------------------------------------------------ events
+
+    def _tick(self) -> None:
+        """Once a second: report drops, forget old coalescing keys."""
+        now = time.monotonic()
+        for w in list(self.watches.values()):
+            self._notice(w, now)
+            while w.seen:
+                k, t = next(iter(w.seen.items()))
+                if now - t < self.window_s:
+                    break
+                w.seen.popitem(last=False)
+        self.ticker = asyncio.get_running_loop().call_later(1.0, self._tick)
+
+    def _notice(self, w: Watch, now: float, force: bool = False) -> None:
+        if w.dropped and (force or now - w.last_notice >= 1.0):
+            n, w.dropped, w.last_notice = w.dropped, 0, now
+            self._emit(w, "dropped", "", 0, {"dropped": str(n), "reason": w.dropped_reason})
+
+    def _emit(self, w: Watch, op: str, path: str, pid: int, detail: dict[str, str]) -> None:
+        EVENTS.labels(self.node, op).inc()
+        try:
+            self.on_event(w.sid, op, path, pid, detail)
+        except Exception:
+            log.exception("file activity callback failed")
+
+    def _admit(self, w: Watch, op: str, key: object, now: float) -> bool:
+        """Coalesce repeats, then rate-limit. Returns whether to report the event."""
+        if op in COALESCED:
+            if key in w.seen:
+                return False
+            w.seen[key] = now
+            if len(w.seen) > self.max_seen:
+                w.seen.popitem(last=False)
+        if w.bucket.take(now):
+            return True
+        w.dropped += 1
+        w.dropped_reason = "rate_limit"
+        DROPPED.labels(self.node, "rate_limit").inc()
+        return False
+
+    def _on_ready(self, gfd: int, fid: bool) -> None:
+        for _ in range(64):  # bounded per wakeup so one busy sandbox cannot starve the loop
+            try:
+                buf = os.read(gfd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                log.warning("fanotify read failed", extra={"fields": {"error": str(e)}})
+                return
+            if not buf:
+                return
+            now = time.monotonic()
+            off = 0
+            while off + METADATA.size <= len(buf):
+                event_len, _v, _r, mlen, mask, efd, pid = METADATA.unpack_from(buf, off)
+                if event_len < METADATA.size:
+                    break
+                try:
+                    if mask & FAN_Q_OVERFLOW:
+                        self._overflow()
+                    elif fid:
+                        self._fid_event(buf, off + mlen, off + event_len, mask, pid, now)
+                    else:
+                        self._fd_event(efd, mask, pid, now)
+                except Exception:
+                    log.exception("bad fanotify event")
+                finally:
+                    if efd >= 0:
+                        os.close(efd)
+                off += event_len
+
+    def _overflow(self) -> None:
+        DROPPED.labels(self.node, "queue_overflow").inc()
+        for w in self.watches.values():
+            w.dropped += 1
+            w.dropped_reason = "queue_overflow"
+
+    def _fd_event(self, efd: int, mask: int, pid: int, now: float) -> None:
+        if efd == FAN_NOFD or pid == self.me:
+            return
+        try:
+            w = self.fd_by_fsid.get(FSID.unpack(struct.pack("=Q", os.fstatvfs(efd).f_fsid & 0xFFFFFFFFFFFFFFFF)))
+            if w is None:
+                w = self.by_dev.get(os.fstat(efd).st_dev)
+            if w is None:
+                return
+            real = os.readlink(f"/proc/self/fd/{efd}")
+        except OSError:
+            return
+        op = _op(mask)
+        # opened inside the container: the path as its mount namespace sees it (its root is the
+        # watched mount); through the host's mount (rare): below our prefix
+        path = (real[len(w.prefix):] or "/") if real.startswith(w.prefix + "/") else real
+        if self._admit(w, op, (op, path), now):
+            self._emit(w, op, path, pid, {})
+
+    def _fid_event(self, buf: bytes, off: int, end: int, mask: int, pid: int, now: float) -> None:
+        if pid == self.me:
+            return
+        w: Watch | None = None
+        names: dict[int, tuple[bytes, str]] = {}
+        while off + INFO_HDR.size <= end:
+            itype, _pad, ilen = INFO_HDR.unpack_from(buf, off)
+            if ilen < INFO_HDR.size:
+                break
+            if itype in (INFO_DFID_NAME, INFO_OLD_DFID_NAME, INFO_NEW_DFID_NAME, INFO_DFID):
+                fsid = FSID.unpack_from(buf, off + 4)
+                if w is None:
+                    w = self.by_fsid.get(fsid)
+                hb, htype = HANDLE_HDR.unpack_from(buf, off + 12)
+                hstart = off + 12
+                hend = hstart + HANDLE_HDR.size + hb
+                handle = buf[hstart:hend]
+                name = ""
+                if itype != INFO_DFID:
+                    raw = buf[hend:off + ilen]
+                    name = raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                names[itype] = (handle, name)
+            off += ilen
+        if w is None:
+            return
+        op = _op(mask)
+        if op == "rename":
+            old, new = names.get(INFO_OLD_DFID_NAME), names.get(INFO_NEW_DFID_NAME)
+            if old is None or new is None:
+                return
+            if mask & FAN_ONDIR:
+                w.dirs.clear()  # every cached path below the moved directory is stale
+            if not self._admit(w, op, None, now):
+                return
+            src, dst = self._path(w, *old), self._path(w, *new)
+            if dst is not None:
+                self._emit(w, op, dst, pid, {"from": src or "?", **({"dir": "1"} if mask & FAN_ONDIR else {})})
+            return
+        ent = names.get(INFO_DFID_NAME) or names.get(INFO_DFID)
+        if ent is None:
+            return
+        if op == "unlink" and mask & FAN_ONDIR:
+            op = "rmdir"
+            w.dirs.clear()
+        elif op == "create" and mask & FAN_ONDIR:
+            op = "mkdir"
+        elif mask & FAN_ONDIR and op in COALESCED:
+            return  # opening a directory (listing it): not file activity
+        key: tuple = (op, ent)
+        if op in COALESCED:
+            path = self._path(w, *ent)  # cached per directory: cheap for the hot ones
+            if path is None:
+                return
+            if "/.git/refs/" in path:
+                key = (op, ent, pid)  # each git process's ref reads count (git_history rule)
+            if self._admit(w, op, key, now):
+                self._emit(w, op, path, pid, {})
+            return
+        if not self._admit(w, op, key, now):
+            return
+        path = self._path(w, *ent)
+        if path is not None:
+            self._emit(w, op, path, pid, {})
+
+    def _path(self, w: Watch, handle: bytes, name: str) -> str | None:
+        d = w.dirs.get(handle)
+        if d is None:
+            fd = _libc.open_by_handle_at(w.rootfd, handle, os.O_PATH | os.O_CLOEXEC)
+            if fd < 0:
+                return None  # the directory is gone already
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+            if real != w.prefix and not real.startswith(w.prefix + "/"):
+                return None
+            d = real[len(w.prefix):] or "/"
+            if len(w.dirs) > 4096:
+                w.dirs.clear()
+            w.dirs[handle] = d
+        if not name or name == ".":
+            return d
+        return f"{d.rstrip('/')}/{name}"
+
+
+def _op(mask: int) -> str:
+    for bit, name in OPS:
+        if mask & bit:
+            return name
+    return "other"
