@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from concurrent.futures import ThreadPoolExecutor
 import codecs
 import logging
 import os
@@ -123,6 +124,7 @@ class NodeAgent:
             cpu_overcommit_max=cfg.cpu_overcommit,
         )
         self.usage = UsageTracker(cfg.usage_top)
+        self.usage_thread = ThreadPoolExecutor(1, thread_name_prefix="usage")  # never behind teardowns
         self.observed = Observed()
         self.observed_cpu = 0.0
         self.observed_mem_mb = 0
@@ -141,6 +143,9 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         os.makedirs(self.state_dir, exist_ok=True)
+        # teardowns, file ops and audit-mark updates block in threads (syscalls, runc delete):
+        # more than the default cpu+4 workers, so a burst of destroys does not stall the rest
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(16, thread_name_prefix="node"))
         self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
         self.nc = await bus.connect(self.cfg.nats_url, name=f"corral-node-agent-{self.node}")
         self.js = self.nc.jetstream()
@@ -190,6 +195,10 @@ class NodeAgent:
             await self.pool.close()
         if not self.cfg.keep_sandboxes_on_exit:
             await asyncio.gather(*(self.destroy(sid, "node-agent shutdown") for sid in list(self.sandboxes)), return_exceptions=True)
+            # destroys already in flight (requests, TTL) are skipped above: let them finish too
+            deadline = time.monotonic() + 120
+            while self.destroying and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
         await self.responder.drain(timeout=5)
         for t in list(self.tasks):
             t.cancel()
@@ -208,6 +217,7 @@ class NodeAgent:
             await self.nc.drain()
         except Exception:
             pass
+        self.usage_thread.shutdown(wait=False)
         metrics.UP.labels("node-agent").set(0)
         logs.kv(log, logging.INFO, "node-agent stopped", node=self.node, kept=len(self.sandboxes))
 
@@ -894,7 +904,7 @@ class NodeAgent:
                 others.append(sb)
         if self.pool is not None:
             groups.update(self.pool.cgroups())  # warm sandboxes' memory is the node's too
-        obs = await asyncio.to_thread(self.usage.collect, groups, set(self.sandboxes))
+        obs = await asyncio.get_running_loop().run_in_executor(self.usage_thread, self.usage.collect, groups, set(self.sandboxes))
         mem = obs.memory_bytes
         for sb in others:
             try:
@@ -922,18 +932,27 @@ class NodeAgent:
             log.warning("heartbeat not sent")
 
     async def _heartbeat_loop(self) -> None:
+        """Heartbeats go out every heartbeat_s whatever else the node is doing: usage is sampled
+        by its own task on its own thread, and a heartbeat carries the latest sample. (When the
+        sampling waited on the shared thread pool, a node destroying 2,000 sandboxes queued it
+        behind their teardowns, stopped heartbeating and was declared lost.)"""
+        collecting: asyncio.Task | None = None
         while True:
-            try:
-                await self._collect_usage()
-            except Exception:
-                log.exception("usage collection failed")
-            if self.cfg.audit:
-                for sid, sb in list(self.sandboxes.items()):
-                    sub = self.substrate_of.get(sid)
-                    if sub is not None and sid not in self.destroying:
-                        self._check_limits(sb, sub)
+            if collecting is None or collecting.done():
+                collecting = asyncio.ensure_future(self._collect_usage_safe())
             await self._publish_heartbeat()
             await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _collect_usage_safe(self) -> None:
+        try:
+            await self._collect_usage()
+        except Exception:
+            log.exception("usage collection failed")
+        if self.cfg.audit:  # what background processes ran into: OOM kills, pids-limit hits
+            for sid, sb in list(self.sandboxes.items()):
+                sub = self.substrate_of.get(sid)
+                if sub is not None and sid not in self.destroying:
+                    self._check_limits(sb, sub)
 
     async def _reaper_loop(self) -> None:
         while True:
