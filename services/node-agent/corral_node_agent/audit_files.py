@@ -101,7 +101,7 @@ class Bucket:
 class Watch:
     sid: str
     root: str
-    rootfd: int  # fd of the sandbox root: mount fd for open_by_handle_at, prefix for paths
+    dev: int  # st_dev of the root (fd-mode events are told apart by it)
     prefix: str  # the root's path as the kernel prints it
     fsid: tuple[int, int] | None
     mode: str  # "fid" or "fd"
@@ -196,15 +196,20 @@ class FileActivity:
             mode, fsid = "fd", None
             _mark(self.fd_fd, FAN_MARK_ADD, FD_MASK, root)
             log.info("file activity in fd mode (no create/unlink/rename)", extra={"fields": {"sandbox": sid, "why": str(e)}})
-        rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # open_by_handle_at refuses O_PATH
-        prefix = os.readlink(f"/proc/self/fd/{rootfd}")
-        w = Watch(sid=sid, root=root, rootfd=rootfd, prefix=prefix.rstrip("/"), fsid=fsid, mode=mode,
+        # no fd is kept per sandbox (a node holds thousands and RLIMIT_NOFILE is finite): the root
+        # is opened when a directory handle has to be resolved (_path caches the answers)
+        rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            prefix, dev = os.readlink(f"/proc/self/fd/{rootfd}"), os.fstat(rootfd).st_dev
+        finally:
+            os.close(rootfd)
+        w = Watch(sid=sid, root=root, dev=dev, prefix=prefix.rstrip("/"), fsid=fsid, mode=mode,
                   bucket=Bucket(self.rate, self.burst, self.burst, time.monotonic()))
         self.watches[sid] = w
         if fsid is not None:
             self.by_fsid[fsid] = w
         if mode == "fd":
-            self.by_dev[os.fstat(rootfd).st_dev] = w
+            self.by_dev[dev] = w
             fs = fsid_of(root)
             if fs in self.fd_by_fsid:
                 self.fd_by_fsid.pop(fs)  # shared: ambiguous, st_dev only
@@ -227,10 +232,9 @@ class FileActivity:
         group = self.fid_fd if w.mode == "fid" else self.fd_fd
         if group is not None:
             try:
-                _mark(group, FAN_MARK_REMOVE, FID_MASK if w.mode == "fid" else FD_MASK, f"/proc/self/fd/{w.rootfd}")
+                _mark(group, FAN_MARK_REMOVE, FID_MASK if w.mode == "fid" else FD_MASK, w.root)
             except OSError:
                 pass  # the unmount drops it
-        os.close(w.rootfd)
 
     # ------------------------------------------------------------------ events
 
@@ -398,7 +402,14 @@ class FileActivity:
     def _path(self, w: Watch, handle: bytes, name: str) -> str | None:
         d = w.dirs.get(handle)
         if d is None:
-            fd = _libc.open_by_handle_at(w.rootfd, handle, os.O_PATH | os.O_CLOEXEC)
+            try:  # open_by_handle_at needs a mount fd (not O_PATH)
+                rootfd = os.open(w.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return None  # the sandbox is going away
+            try:
+                fd = _libc.open_by_handle_at(rootfd, handle, os.O_PATH | os.O_CLOEXEC)
+            finally:
+                os.close(rootfd)
             if fd < 0:
                 return None  # the directory is gone already
             try:
