@@ -160,3 +160,23 @@ async def test_inspect_delete_unknown_and_malformed_manifest(nc, client):
     with pytest.raises(Exception, match="malformed"):
         await client.create(image="t-broken", cpu=0.1, memory_mb=32)
     await kv.delete("t-broken")
+
+
+async def test_kv_keys_lists_exactly_the_live_keys(nc):
+    """The catalogs (and the image GC, which frees what no listed image names) list keys from the
+    bucket stream's subjects: deleted and purged keys are left out, none is missed."""
+    from corral_common import bus
+
+    js = nc.jetstream()
+    kv = await bus.ensure_kv(js, "corral_test_kv_keys", history=5)
+    try:
+        assert await bus.kv_keys(kv) == []
+        for i in range(300):
+            await kv.put(f"k{i}", b"x")
+        for i in range(0, 300, 2):
+            await kv.delete(f"k{i}")
+        await kv.purge("k3")
+        await kv.put("k0", b"back")
+        assert sorted(await bus.kv_keys(kv)) == sorted({f"k{i}" for i in range(1, 300, 2)} - {"k3"} | {"k0"})
+    finally:
+        await js.delete_key_value("corral_test_kv_keys")

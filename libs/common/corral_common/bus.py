@@ -59,21 +59,35 @@ async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None,
 
 
 async def kv_keys(kv: KeyValue, attempts: int = 3) -> list[str]:
-    """Every key of a bucket. nats-py raises NoKeysError for an empty bucket (that is []), and a
-    listing can time out under load: it is retried, then reported as `unavailable` rather than
-    passed off as an empty bucket."""
-    from nats.js.errors import NoKeysError
+    """Every live key of a bucket, from the server's own list of the bucket stream's subjects.
+
+    nats-py's `kv.keys()` walks an ordered consumer and can miss keys while the bucket changes
+    (seen here: the image-cache's GC missed `busybox` and freed its layer). Subjects of deleted or
+    purged keys keep a marker message, so each candidate is read once; those gone are left out.
+    A listing that fails is retried, then reported as `unavailable`, never as an empty bucket."""
+    from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
     err: Exception | None = None
     for attempt in range(attempts):
         try:
-            return list(await kv.keys())
-        except NoKeysError:
-            return []
+            info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
+            subjects = info.state.subjects or {}
+            break
         except Exception as e:
             err = e
             await asyncio.sleep(0.2 * (attempt + 1))
-    raise CorralError(f"cannot list KV bucket keys: {err}", Code.UNAVAILABLE)
+    else:
+        raise CorralError(f"cannot list KV bucket keys: {err}", Code.UNAVAILABLE)
+    keys = []
+    for subj in subjects:
+        k = subj[len(kv._pre):]
+        try:
+            e = await kv.get(k)
+        except (KeyDeletedError, KeyNotFoundError):
+            continue
+        if e is not None and e.value is not None and e.operation in (None, "PUT"):
+            keys.append(k)
+    return keys
 
 
 def decode(data: bytes, typ: type[T]) -> T:
