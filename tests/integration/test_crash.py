@@ -119,3 +119,34 @@ async def test_sandbox_that_dies_on_its_own_is_reported_and_cleaned(stack, clien
         assert not [p for p in cgroups_under(cgroup_parent(stack.data_dir, "node-1")) if sb.id in p]
     finally:
         await nc.close()
+
+
+async def test_stack_stop_leaves_nothing_of_a_node_agent_killed_for_good():
+    """A node-agent killed with -9 and never restarted (a crashed test, a lost machine) leaves its
+    sandboxes' inits running under PID 1; stopping the stack kills them and removes the node's
+    cgroups, its parent included, and the mounts."""
+    stack = make_stack(nodes=1, monitor=False, env_builder=False)
+    await stack.start()
+    try:
+        c = await AsyncClient.connect(stack.url)
+        sbs = [await c.create(image="busybox", memory_mb=32) for _ in range(2)]
+        await c.close()
+        parent = cgroup_parent(stack.data_dir, "node-1")
+        agent = stack.proc("node-1").popen
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        inits = [p for p in _procs_in(parent)]
+        assert len(inits) >= 2  # still running without their agent
+    finally:
+        await stack.stop()
+    assert not _procs_in(parent) and not cgroups_under(parent), cgroups_under(parent)
+    assert not [d for d in os.listdir("/sys/fs/cgroup") if os.path.isdir(f"/sys/fs/cgroup/{d}/{parent}")]
+    assert not mounts_under(stack.data_dir)
+    assert sbs
+    shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+def _procs_in(parent: str) -> list[int]:
+    from ..leaks import cgroup_pids
+
+    return cgroup_pids(f"/sys/fs/cgroup/pids/{parent}")

@@ -234,7 +234,55 @@ class Stack:
                     p.popen.kill()
                     await asyncio.to_thread(p.popen.wait)
         self.procs.clear()
+        self._sweep_cgroups()
         self._sweep_mounts()
+
+    def _sweep_cgroups(self) -> None:
+        """Safety net like _sweep_mounts: a node-agent killed with -9 (or a test that failed
+        before restarting one) leaves its sandboxes' inits running, reparented to PID 1. Every
+        process in this stack's node cgroups is killed and the cgroups removed, the node's
+        parent cgroup included, so nothing of the stack outlives it."""
+        for i in range(self.nodes):
+            try:
+                with open(os.path.join(self.data_dir, "nodes", f"node-{i + 1}", "cgroup-parent")) as f:
+                    parent = f.read().strip().strip("/")
+            except OSError:
+                continue
+            if not parent:
+                continue
+            tops = [d for d in (os.path.join("/sys/fs/cgroup", h, parent) for h in os.listdir("/sys/fs/cgroup")) if os.path.isdir(d)]
+            for top in tops:
+                for d, _, _ in os.walk(top):
+                    if os.path.exists(f"{d}/freezer.state"):
+                        try:
+                            with open(f"{d}/freezer.state", "w") as f:
+                                f.write("THAWED")
+                        except OSError:
+                            pass
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                pids = set()
+                for top in tops:
+                    for d, _, _ in os.walk(top):
+                        try:
+                            with open(f"{d}/cgroup.procs") as f:
+                                pids.update(int(x) for x in f.read().split())
+                        except OSError:
+                            pass
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                time.sleep(0.05)
+            for top in tops:
+                for d, _, _ in sorted(os.walk(top, topdown=False), key=lambda w: -w[0].count("/")):
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
 
     def _sweep_mounts(self) -> None:
         """Safety net for processes that were killed (kill -9 tests, crashes): nothing this stack
