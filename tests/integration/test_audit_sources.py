@@ -21,6 +21,8 @@ import pytest_asyncio
 from corral_common.audit import Alert, AuditBatch, AuditEvent
 from corral_sdk import Forbidden
 
+from .. import hostview
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -301,9 +303,9 @@ async def test_protected_paths_fail_closed_while_the_agent_is_down():
         agent = stack.proc("node-1").popen
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
-        upper = glob.glob(f"{stack.data_dir}/**/sandboxes/{sb.id}/rw/upper", recursive=True)
-        assert upper, "the sandbox's upper dir"
-        out = f"{upper[0]}/tmp/out"
+        sdir = glob.glob(f"{stack.data_dir}/**/sandboxes/{sb.id}", recursive=True)
+        assert sdir, "the sandbox's state dir"
+        out = f"{hostview.rw(sdir[0])}/upper/tmp/out"
         for _ in range(600):  # read from the host: the agent is still down
             if os.path.exists(out) and open(out).read().endswith("done\n"):
                 break

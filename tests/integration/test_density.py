@@ -1,5 +1,5 @@
 """Density, modestly: a hundred idle sandboxes on one node-agent cost it at most ~2 file
-descriptors each (RLIMIT_NOFILE is 20,000 here, and a node is meant to hold thousands), all
+descriptors each and no host mount (RLIMIT_NOFILE is 20,000 here, and a node is meant to hold thousands), all
 answer, and destroying them leaves nothing (dirs, mounts, cgroups, runc state, processes).
 The 2,000-sandbox run and the memory per sandbox are measured in bench/density.py."""
 from __future__ import annotations
@@ -16,9 +16,15 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _host_mounts() -> int:
+    with open("/proc/self/mountinfo") as f:
+        return sum(1 for _ in f)
+
+
 async def test_a_hundred_idle_sandboxes_then_nothing_left(stack, client):
     agent = stack.proc("node-1").popen.pid
     fds0 = _fds(agent)
+    mounts0 = _host_mounts()
     sem = asyncio.Semaphore(8)
     made = []
 
@@ -31,6 +37,10 @@ async def test_a_hundred_idle_sandboxes_then_nothing_left(stack, client):
         assert len({sb.id for sb in made}) == N
         fds = _fds(agent) - fds0
         assert fds <= 2.2 * N, f"{fds} more fds for {N} sandboxes"
+        # no host mount per sandbox: each would be copied into every later sandbox's mount
+        # namespace, making creates slower with every sandbox alive (image layers are shared)
+        mounts = _host_mounts() - mounts0
+        assert mounts < N / 4, f"{mounts} more host mounts for {N} sandboxes"
         listed = {i.id for i in await client.list(labels={"t": "density"})}
         assert listed == {sb.id for sb in made}
         outs = await asyncio.gather(*(sb.exec("hostname") for sb in made[::10]))

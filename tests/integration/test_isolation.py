@@ -19,6 +19,7 @@ import pytest
 
 from corral_sdk import Forbidden, InvalidRequest, NotFound
 
+from .. import hostview
 from ..leaks import cgroup_pids
 
 CG = "/sys/fs/cgroup"
@@ -213,15 +214,19 @@ async def test_other_sandbox_files_unreachable(stack, client):
         await ok(a, f"echo {secret} > /tmp/a-{tok}; sleep 60 >/dev/null 2>&1 &")
         assert (await a.files.read(f"/tmp/a-{tok}")).decode().strip() == secret
         a_dir = sandbox_dir(stack, a)
+        a_root, a_rw = hostview.root(a_dir), hostview.rw(a_dir)
+        assert open(f"{a_root}/tmp/a-{tok}").read().strip() == secret  # the paths are right
         r = await b.exec(f"cat /tmp/a-{tok}; echo rc=$?; cat {a_dir}/rootfs/tmp/a-{tok}; echo rc=$?; "
-                         f"cat {a_dir}/rw/upper/tmp/a-{tok}; echo rc=$?; ps")
+                         f"cat {a_dir}/rw/upper/tmp/a-{tok}; echo rc=$?; cat {a_root}/tmp/a-{tok}; echo rc=$?; "
+                         f"cat {a_rw}/upper/tmp/a-{tok}; echo rc=$?; ps")
         assert secret not in r.stdout, r
-        assert r.stdout.count("rc=1") == 3, r
+        assert r.stdout.count("rc=1") == 5, r
         assert "sleep 60" not in r.stdout, f"sandbox B sees A's processes: {r.stdout}"
         with pytest.raises(NotFound):
             await b.files.read(f"/tmp/a-{tok}")
-        with pytest.raises(NotFound):
-            await b.files.read(f"{a_dir}/rootfs/tmp/a-{tok}")
+        for p in (f"{a_dir}/rootfs/tmp/a-{tok}", f"{a_root}/tmp/a-{tok}"):
+            with pytest.raises(NotFound):
+                await b.files.read(p)
         # and the other way round: B's write does not show up in A
         await b.files.write(f"/tmp/a-{tok}", "written by B")
         assert (await a.files.read(f"/tmp/a-{tok}")).decode().strip() == secret
@@ -230,28 +235,14 @@ async def test_other_sandbox_files_unreachable(stack, client):
             await sb.destroy()
 
 
-def overlay_dirs(rootfs: str) -> tuple[list[str], str]:
-    """(lower dirs, upper dir) of the overlay mounted at rootfs, from /proc/self/mountinfo."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            pre, _, post = line.partition(" - ")
-            if pre.split()[4] != rootfs or not post.startswith("overlay "):
-                continue
-            opts = {}
-            for o in post.split()[2].split(","):
-                k, _, v = o.partition("=")
-                opts[k] = v.encode().decode("unicode_escape")
-            return opts["lowerdir"].split(":"), opts["upperdir"]
-    raise AssertionError(f"no overlay mounted at {rootfs}")
-
-
 async def test_writes_stay_in_the_upper(stack, client, sandbox):
     sdir = sandbox_dir(stack, sandbox)
-    lowers, upper = overlay_dirs(f"{sdir}/rootfs")
+    _, fs_opts = hostview.root_mount(sdir)
+    lowers, upper = fs_opts["lowerdir"].split(":"), fs_opts["upperdir"]
     # given by fd at mount time: the options (visible in the sandbox's /proc/mounts) name no
     # path in the state dir, so no sandbox (or warm-pool) id
     assert upper.startswith("/proc/self/fd/"), upper
-    upper = f"{sdir}/rw/upper"
+    upper = f"{hostview.rw(sdir)}/upper"
     assert lowers and all(os.path.isdir(d) for d in lowers), lowers
     before = {d: tree_fingerprint(d) for d in lowers}
     passwd_lower = next(f"{d}/etc/passwd" for d in lowers if os.path.exists(f"{d}/etc/passwd"))
@@ -350,7 +341,7 @@ async def test_files_write_is_confined(stack, sandbox, host_marker):
     assert not os.path.exists(host_target), "files.write escaped the sandbox with ../"
     assert (await sandbox.files.read(host_target)) == b"via-dotdot"
     sdir = sandbox_dir(stack, sandbox)
-    assert os.path.isfile(f"{sdir}/rw/upper{host_target}")
+    assert os.path.isfile(f"{hostview.rw(sdir)}/upper{host_target}")
     # the node's own state (beside rootfs) is out of reach
     await sandbox.files.write("/../config.json", "{}")
     with open(f"{sdir}/config.json") as f:
@@ -447,17 +438,16 @@ async def test_sandbox_cannot_kill_or_inspect_its_helper(sandbox):
 
 async def test_setuid_files_from_a_sandbox_are_inert_on_the_host(stack, sandbox):
     """The sandbox is root inside, so it can make setuid-root files (chmod u+s, or files.write
-    with mode 0o4755). Its rootfs is an overlay mounted on the host under the state dir (by
-    default /var/lib/corral, every level 0755): unless that mount is nosuid, any host user who
-    runs such a file gets euid 0 on the host."""
+    with mode 0o4755). Its rootfs is an overlay that the host reaches (through the clone its init
+    holds, and briefly while it is created, under the state dir): unless that mount is nosuid,
+    a host process that runs such a file gets euid 0 on the host."""
     await ok(sandbox, "cp /bin/busybox /tmp/suid-bb && chmod 4755 /tmp/suid-bb && ls -l /tmp/suid-bb")
     with open("/usr/bin/id", "rb") as f:
         await sandbox.files.write("/tmp/suid-id", f.read(), mode=0o4755)
-    root = f"{sandbox_dir(stack, sandbox)}/rootfs"
+    sdir = sandbox_dir(stack, sandbox)
+    root = hostview.root(sdir)
     assert os.stat(f"{root}/tmp/suid-id").st_mode & stat.S_ISUID
-    with open("/proc/self/mountinfo") as f:
-        opts = [ln.split()[5] for ln in f if ln.split()[4] == root]
-    assert opts, f"no mount at {root}"
+    opts = [",".join(hostview.root_mount(sdir)[0])]
     # run it as `nobody` on the host (through an fd, so only the mount flags matter, not the
     # permissions of this test stack's private data dir)
     fd = os.open(f"{root}/tmp/suid-id", os.O_PATH)

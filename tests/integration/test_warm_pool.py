@@ -20,7 +20,7 @@ from corral_common.audit import AuditBatch
 from corral_common.messages import Event, Heartbeat
 from corral_sdk import AsyncClient
 
-from .. import leaks
+from .. import hostview, leaks
 from ..conftest import ensure_builtin_images, make_stack
 
 NODE = "node-1"
@@ -154,11 +154,13 @@ async def test_claim_is_indistinguishable_from_a_fresh_sandbox(pooled):
         assert cg("memory", "memory.limit_in_bytes") == 200 * 1024 * 1024
         assert cg("cpu", "cpu.cfs_quota_us") == 50_000 and cg("cpu", "cpu.cfs_period_us") == 100_000
         assert cg("pids", "pids.max") == 77
-        vfs = os.statvfs(f"{state}/sandboxes/{sid}/rw")
+        # and no host mount for it (its init holds its filesystems)
+        assert not [m for m in leaks.mounts_under(f"{state}/sandboxes/{sid}")]
+        vfs = os.statvfs(hostview.rw(f"{state}/sandboxes/{sid}"))
         assert vfs.f_blocks * vfs.f_frsize == 64 * 1024 * 1024
 
         # a fresh upper: nothing but mount points (runc's, as in a cold sandbox) and the workdir
-        upper = f"{state}/sandboxes/{sid}/rw/upper"
+        upper = f"{hostview.rw(f'{state}/sandboxes/{sid}')}/upper"
         assert host_files(upper) == [".corral/init"], host_files(upper)
         assert os.path.getsize(f"{upper}/.corral/init") == 0
         assert os.path.isdir(f"{upper}/work/dir")

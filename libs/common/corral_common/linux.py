@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import struct
 
@@ -22,7 +23,19 @@ MNT_DETACH = 2
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 
-SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall table unification)
+# the same numbers on every architecture (added after the syscall table unification)
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+SYS_FSCONFIG = 431
+SYS_FSPICK = 433
+SYS_OPENAT2 = 437
+AT_FDCWD = -100
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+FSPICK_CLOEXEC = 1
+MOVE_MOUNT_F_EMPTY_PATH = 4
+FSCONFIG_SET_STRING = 1
+FSCONFIG_CMD_RECONFIGURE = 7
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_IN_ROOT = 0x10
@@ -76,14 +89,57 @@ def setns(fd: int, nstype: int) -> None:
 
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
     """openat2(2): with RESOLVE_IN_ROOT every `..` and absolute symlink resolves inside dirfd,
-    which is exactly the confinement files.read/write need."""
+    which is exactly the confinement files.read/write need. EAGAIN (a rename or mount change
+    raced the lookup; the kernel asks the caller to retry) is retried a few times."""
     how = struct.pack("QQQ", flags | os.O_CLOEXEC, mode, resolve)
     buf = ctypes.create_string_buffer(how)
-    fd = _libc.syscall(SYS_OPENAT2, dirfd, path.encode(), buf, len(how))
+    for _ in range(8):
+        fd = _libc.syscall(SYS_OPENAT2, dirfd, path.encode(), buf, len(how))
+        if fd >= 0:
+            return fd
+        e = ctypes.get_errno()
+        if e != errno.EAGAIN:
+            break
+    raise OSError(e, os.strerror(e), path)
+
+
+def open_tree_clone(path: str) -> int:
+    """A detached private copy of the mount at `path` (open_tree(2), OPEN_TREE_CLONE): an fd that
+    keeps the filesystem reachable after the mount point is unmounted, without being a mount
+    any namespace lists. Sandboxes hold their roots this way: every mount in the host's table
+    is copied into each new mount namespace, so host mounts per sandbox made `runc run` slower
+    with every sandbox alive."""
+    fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)
     if fd < 0:
         e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), path)
+        raise OSError(e, f"open_tree {path}: {os.strerror(e)}")
     return fd
+
+
+def mount_clone(path: str, target: str) -> None:
+    """Mount a private copy of the mount at `path` (which may be a detached one, reached through
+    a /proc/<pid>/fd link) on `target`: for tools that need a path in the mount table."""
+    fd = open_tree_clone(path)
+    try:
+        _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+               f"move_mount {path} to {target}")
+    finally:
+        os.close(fd)
+
+
+def reconfigure(path: str, **options: str) -> None:
+    """Change options of the filesystem whose mount root is `path` (fspick + fsconfig). Unlike
+    mount(MS_REMOUNT) this works on a detached mount (open_tree_clone), e.g. a tmpfs's size."""
+    fd = _libc.syscall(SYS_FSPICK, AT_FDCWD, path.encode(), FSPICK_CLOEXEC)
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"fspick {path}: {os.strerror(e)}")
+    try:
+        for k, v in options.items():
+            _check(_libc.syscall(SYS_FSCONFIG, fd, FSCONFIG_SET_STRING, k.encode(), v.encode(), 0), f"fsconfig {k}={v}")
+        _check(_libc.syscall(SYS_FSCONFIG, fd, FSCONFIG_CMD_RECONFIGURE, None, None, 0), f"reconfigure {path}")
+    finally:
+        os.close(fd)
 
 
 def mounted_under(prefix: str) -> list[str]:

@@ -761,17 +761,17 @@ class NodeAgent:
         check_image_name(name)
         if hasattr(sub, "snapshot_image"):  # substrates that make images their own way (docker: commit, save, import)
             return await sub.snapshot_image(sb, name, labels)
-        upper, layers = await sub.snapshot_dir(sb)
         was_paused = sb.info.state == "paused"
         t0 = time.perf_counter()
-        if not was_paused:
-            await sub.pause(sb)
-        try:
-            layer, uploaded = await build_layer(upper, ObjectStoreBackend(self.js), source=f"snapshot:{sb.id}",
-                                                work_dir=self.state_dir, exclude=[".corral"])
-        finally:
+        async with sub.snapshot_dir(sb) as (upper, layers):
             if not was_paused:
-                await sub.resume(sb)
+                await sub.pause(sb)
+            try:
+                layer, uploaded = await build_layer(upper, ObjectStoreBackend(self.js), source=f"snapshot:{sb.id}",
+                                                    work_dir=self.state_dir, exclude=[".corral"])
+            finally:
+                if not was_paused:
+                    await sub.resume(sb)
         sizes = [(await self.catalog.layer(d)).size for d in layers]
         image = ImageManifest(name=name, layers=[*layers, layer.digest], created_at=time.time(), size=sum(sizes) + layer.size,
                               labels={**labels, "snapshot_of": sb.id}, parent=sb.info.image)

@@ -6,8 +6,12 @@
  * drop and no_new_privs. A process forked by the sandbox's own init inherits all of them for free,
  * so exec becomes one unix-socket round trip plus fork/exec.
  *
- * Protocol (the node-agent is the only peer; the listening socket is inherited as fd 3 from
- * `runc run --preserve-fds 1` and its path lives on the host, outside the sandbox's mount namespace):
+ * fds: 3 is the listening socket (its path lives on the host, outside the sandbox's mount
+ * namespace); 4 and 5 are detached clones of the sandbox's tmpfs and root filesystem, which init
+ * only holds so the node-agent can reach them as /proc/<init>/fd/4|5 (the host keeps no mount per
+ * sandbox). All three come from `runc run --preserve-fds 3`; none reaches an exec'd child.
+ *
+ * Protocol (the node-agent is the only peer):
  *   request:  u32 little-endian payload length, then the payload, with SCM_RIGHTS fds on the first
  *             byte: [stdin, stdout, stderr, cgroup.procs fds...]. Payload is NUL-terminated tokens:
  *             "1", argc, argv..., envc, env..., cwd, ncgroup.
@@ -36,6 +40,7 @@
 #include <unistd.h>
 
 #define LISTEN_FD 3
+#define HELD_FD_LAST 5 /* the tmpfs and root clones (4, 5) */
 #define MAX_FDS 16
 #define MAX_PAYLOAD (4 * 1024 * 1024)
 
@@ -174,7 +179,7 @@ fail:
 int main(void) {
     /* keep /proc/1/fd and /proc/1/mem out of reach of the sandbox's own (capability-less) root */
     prctl(PR_SET_DUMPABLE, 0);
-    fcntl(LISTEN_FD, F_SETFD, FD_CLOEXEC);
+    for (int fd = LISTEN_FD; fd <= HELD_FD_LAST; fd++) fcntl(fd, F_SETFD, FD_CLOEXEC);
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);

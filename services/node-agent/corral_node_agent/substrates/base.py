@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import ClassVar
 
 import msgspec
@@ -65,9 +66,10 @@ class Substrate(abc.ABC):
     @abc.abstractmethod
     async def destroy(self, sb: Sandbox) -> None: ...
 
-    async def snapshot_dir(self, sb: Sandbox) -> tuple[str, list[str]]:
-        """The sandbox's writable layer as a directory in overlayfs format (whiteouts as 0/0
-        devices), and the image layers below it. The caller freezes the sandbox around reading it."""
+    def snapshot_dir(self, sb: Sandbox) -> AbstractAsyncContextManager[tuple[str, list[str]]]:
+        """While entered: the sandbox's writable layer as a directory in overlayfs format
+        (whiteouts as 0/0 devices), and the image layers below it. The caller freezes the sandbox
+        around reading it."""
         from corral_common.errors import InvalidRequest
 
         raise InvalidRequest(f"substrate {self.name!r} cannot snapshot")

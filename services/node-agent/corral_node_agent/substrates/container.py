@@ -3,11 +3,21 @@
 Root is overlayfs: the image's rootfs read-only below, a private upper on a size-capped tmpfs
 (disk_mb) above. PID 1 is corral-init, which forks every exec so that exec inherits the
 sandbox's namespaces, cgroups, seccomp filter and empty capability sets without a ~25 ms
-`runc exec`. Each exec runs in its own child cgroup so that a timeout kills exactly its tree."""
+`runc exec`. Each exec runs in its own child cgroup so that a timeout kills exactly its tree.
+
+A running sandbox keeps no mount in the host's mount table: the tmpfs and the overlay are
+mounted under the state dir only for `runc run`, then detached. Every new mount namespace
+copies the whole host table, so two host mounts per sandbox made each `runc run` slower with
+every sandbox alive (45 ms at 20 host mounts, 200 ms at 4,000). The agent still needs both
+filesystems (files.read/write, file audit, snapshots), also after a restart: corral-init holds
+private clones of them (open_tree) as fds INIT_RW_FD and INIT_ROOT_FD, which the agent (root)
+reaches as /proc/<init>/fd/N; init is non-dumpable, so nothing inside the sandbox can."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -59,6 +69,9 @@ STARTUP_CPU = 1.0
 #: warm-pool sandboxes run under internal ids with this prefix until a claim renames them
 #: (same length as a scheduler's "sb-" + 12 hex, so nothing derived from the id changes size)
 WARM_PREFIX = "wp-"
+#: the fds corral-init holds: 3 is its control socket, then the sandbox's tmpfs and its root
+INIT_RW_FD = 4
+INIT_ROOT_FD = 5
 #: what a warm-pool sandbox is built with; a claim rewrites limits, disk size and workdir
 WARM_SPEC = SandboxSpec(image="busybox", cpu=1.0, memory_mb=256, disk_mb=1024, pids_max=1024)
 
@@ -72,6 +85,9 @@ class ContainerSandbox(StayingSandbox):
         self.warm_id = ""  # the internal id it had in the warm pool, if it was claimed from there
         self.rebase(sdir)
         self.init_pid = init_pid
+        # the sandbox's filesystems, through the clones its init holds (see the module docstring)
+        self.rootfs = f"/proc/{init_pid}/fd/{INIT_ROOT_FD}"
+        self.rw = f"/proc/{init_pid}/fd/{INIT_RW_FD}"
         # protected paths covered by decoys in the container's mount namespace (masks.py)
         self.masks: list[masks.Mask] = masks.load(f"{sdir}/masks")
         try:
@@ -81,7 +97,6 @@ class ContainerSandbox(StayingSandbox):
 
     def rebase(self, sdir: str) -> None:
         self.sdir = sdir
-        self.rootfs = f"{sdir}/rootfs"
         self.ctl = f"{sdir}/ctl.sock"
         self.io = f"{sdir}/io"
 
@@ -185,13 +200,19 @@ class ContainerSubstrate(Substrate):
         with open(f"{sdir}/config.json", "w") as f:
             json.dump(cfg, f)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        held: list[int] = []
         try:
             listener.bind(f"{sdir}/ctl.sock")
             os.chmod(f"{sdir}/ctl.sock", 0o600)
             listener.listen(256)
-            rc = await self._runc_run(sid, sdir, listener.fileno())
+            held = [linux.open_tree_clone(f"{sdir}/rw"), linux.open_tree_clone(f"{sdir}/rootfs")]
+            rc = await self._runc_run(sid, sdir, [listener.fileno(), *held])
         finally:
             listener.close()
+            for fd in held:
+                os.close(fd)
+            # the container has its own copy of the root (and init the clones): off the host's table
+            linux.umount_all(sdir)
         if rc != 0:
             msg = _tail(f"{sdir}/runc.log")
             raise Internal(f"runc could not start sandbox {sid}: {msg}")
@@ -279,8 +300,7 @@ class ContainerSubstrate(Substrate):
         with open(f"{sdir}/config.json", "w") as f:
             f.write(text.replace(old, new))
         if spec.disk_mb != WARM_SPEC.disk_mb:
-            linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV,
-                        f"size={spec.disk_mb}m,mode=755")
+            linux.reconfigure(sb.rw, size=f"{spec.disk_mb}m")
         linux.set_hostname(sb.init_pid, new)
         if spec.workdir not in ("", "/"):
             confine.mkdirs(sb.rootfs, spec.workdir)
@@ -288,17 +308,25 @@ class ContainerSubstrate(Substrate):
         sb.cg.thaw()
         sb.paused = False
 
-    async def _runc_run(self, sid: str, sdir: str, listen_fd: int) -> int:
-        if listen_fd == 3:  # dup2(3, 3) would keep close-on-exec set
-            listen_fd = os.dup(listen_fd)
-        argv = [self.runc, "--root", self.runc_root, "run", "-d", "--preserve-fds", "1",
+    async def _runc_run(self, sid: str, sdir: str, fds: list[int]) -> int:
+        """`runc run -d` with `fds` as init's fds 3, 4, ... (--preserve-fds)."""
+        # dup2 onto its own number would keep close-on-exec set, and a later dup2 must not
+        # overwrite a source not yet moved: move every source above the targets first
+        top = 3 + len(fds)
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) if fd < top else fd for fd in fds]
+        argv = [self.runc, "--root", self.runc_root, "run", "-d", "--preserve-fds", str(len(fds)),
                 "--pid-file", f"{sdir}/init.pid", "--bundle", sdir, sid]
-        pid = os.posix_spawn(self.runc, argv, os.environ, file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 2, f"{sdir}/runc.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-            (os.POSIX_SPAWN_DUP2, listen_fd, 3),
-        ])
+        try:
+            pid = os.posix_spawn(self.runc, argv, os.environ, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 2, f"{sdir}/runc.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                *[(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(moved)],
+            ])
+        finally:
+            for fd, orig in zip(moved, fds):
+                if fd != orig:
+                    os.close(fd)
         return await wait_pid(pid)
 
     def watch_exit(self, sb: Sandbox, callback) -> None:
@@ -336,9 +364,19 @@ class ContainerSubstrate(Substrate):
     def _persist(self, sb: ContainerSandbox) -> None:
         save_record(sb.sdir, Record(info=sb.info, spec=sb.spec, init_pid=sb.init_pid, layers=sb.layers))
 
-    async def snapshot_dir(self, sb: Sandbox) -> tuple[str, list[str]]:
+    @contextlib.asynccontextmanager
+    async def snapshot_dir(self, sb: Sandbox):
+        """The upper dir, on a mount of the sandbox's tmpfs made for the snapshot only: mkfs.erofs
+        resolves its source path, which a /proc/<init>/fd link to a detached mount is not."""
         assert isinstance(sb, ContainerSandbox)
-        return f"{sb.sdir}/rw/upper", list(sb.layers)
+        mnt = f"{sb.sdir}/snapshot"
+        os.makedirs(mnt, exist_ok=True)
+        linux.mount_clone(sb.rw, mnt)
+        try:
+            yield f"{mnt}/upper", list(sb.layers)
+        finally:
+            linux.umount_or_detach(mnt)
+            os.rmdir(mnt)
 
     # ------------------------------------------------------------------ exec
 
