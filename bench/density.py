@@ -56,6 +56,12 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def host_mounts() -> int:
+    """Mounts in the host's table: each is copied into every new sandbox's mount namespace."""
+    with open("/proc/self/mountinfo") as f:
+        return sum(1 for _ in f)
+
+
 def meminfo() -> dict[str, int]:
     out = {}
     with open("/proc/meminfo") as f:
@@ -171,11 +177,12 @@ async def run(levels: list[int], k: int) -> dict:
                    "snapshot": snap, "delta": delta,
                    "per_sandbox_mib": {"host_mem_available_drop": round(-delta["mem_available"] / n / MiB, 3) if n else None,
                                        "accounted": round(accounted / n / MiB, 3) if n else None, **per},
-                   "create": stats(lat), "loadavg": [round(x, 2) for x in os.getloadavg()]}
+                   "create": stats(lat), "host_mounts": host_mounts(), "loadavg": [round(x, 2) for x in os.getloadavg()]}
             res["levels"].append(row)
             log(f"{n} alive: create p50 {row['create']['p50_ms']} ms p99 {row['create']['p99_ms']} ms; "
                 f"host memory per sandbox {row['per_sandbox_mib']['host_mem_available_drop']} MiB "
-                f"(accounted {row['per_sandbox_mib']['accounted']}); agent fds {snap['agent_fds']}; load {row['loadavg']}")
+                f"(accounted {row['per_sandbox_mib']['accounted']}); agent fds {snap['agent_fds']}; host mounts {row['host_mounts']}; "
+                f"load {row['loadavg']}")
         before_destroy = probe.snapshot()
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(16)

@@ -450,7 +450,7 @@ class FunctionSubstrate(ContainerSubstrate):
             _write(cg.path("cpu", "cpu.cfs_quota_us"), str(quota))
             _write(cg.path("pids", "pids.max"), str(spec.pids_max))
         if spec.disk_mb != sb.spec.disk_mb:
-            linux.mount("tmpfs", f"{sb.sdir}/rw", "tmpfs", MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m")
+            linux.reconfigure(sb.rw, size=f"{spec.disk_mb}m")
         if spec.workdir not in ("", "/"):
             confine.mkdirs(sb.rootfs, spec.workdir)
 
