@@ -2,6 +2,8 @@
 sandbox's root filesystem, reported as AuditEvent(kind="file", op=...) with path and pid."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from .test_audit_sources import Watch
@@ -113,3 +115,40 @@ async def test_a_busy_sandbox_cannot_flood_the_bus():
     import shutil
 
     shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("substrate", ["function", "container"])
+async def test_a_one_shot_run_has_file_activity_too(client, nc, substrate):
+    """`sandbox.run` is a sandbox for the length of one command (one-shot graders and tools are
+    where a cheat would hide): its file activity is audited under the run's id, job and labels."""
+    import secrets
+
+    import msgspec
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from corral_common.audit import AuditBatch
+
+    job = f"one-shot-{secrets.token_hex(4)}"
+    events = []
+
+    async def on_audit(msg) -> None:
+        events.extend(e for e in msgspec.json.decode(msg.data, type=AuditBatch).events if e.job == job)
+
+    sub = await nc.jetstream().subscribe("corral.audit.*.*", cb=on_audit, ordered_consumer=True,
+                                         config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW))
+    try:
+        r = await client.run("echo hi > /tmp/one-shot.txt && cat /etc/passwd >/dev/null && rm /etc/group && echo done",
+                             substrate=substrate, job=job, labels={"t": "one-shot"})
+        assert r.stdout == "done\n", (r.stdout, r.stderr)
+        want = {("create", "/tmp/one-shot.txt"), ("open", "/etc/passwd"), ("unlink", "/etc/group")}
+        for _ in range(300):
+            if want <= {(e.op, e.path) for e in events if e.kind == "file"}:
+                break
+            await asyncio.sleep(0.05)
+        files = [e for e in events if e.kind == "file"]
+        assert want <= {(e.op, e.path) for e in files}, [(e.op, e.path) for e in files]
+        runs = {e.sandbox for e in events if e.kind == "exec"}
+        assert len(runs) == 1, events
+        assert all(e.sandbox in runs and e.labels == {"t": "one-shot"} and e.pid > 1 for e in files if e.op != "dropped"), files
+    finally:
+        await sub.unsubscribe()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 import codecs
 import logging
@@ -138,6 +139,7 @@ class NodeAgent:
         self.activity: FileActivity | None = None
         self.inflight: dict[str, dict[object, str]] = {}  # sandbox -> commands being executed (file-event context)
         self.limits: dict[str, tuple[int, int]] = {}  # sandbox -> (OOM kills, pids-limit hits) already reported
+        self.run_infos: dict[str, SandboxInfo] = {}  # one-shot runs whose command is running (job, labels of their events)
 
     # ------------------------------------------------------------------ start / stop
 
@@ -162,6 +164,7 @@ class NodeAgent:
             sub = cls(self.node, self.state_dir, self.layers)  # type: ignore[call-arg]
             if hasattr(sub, "seccomp_listener") and self.seccomp is not None:
                 sub.seccomp_listener = self.seccomp.path  # type: ignore[attr-defined]
+            sub.run_watcher = self._watch_run
             await sub.start()
             self.substrates[name] = sub
         self.responder = bus.Responder(self.nc, "node-agent")
@@ -265,8 +268,9 @@ class NodeAgent:
 
     def _audit_base(self, sid: str) -> dict:
         sb = self.sandboxes.get(sid)
+        info = sb.info if sb is not None else self.run_infos.get(sid)
         return {"id": event_id(), "ts": time.time(), "node": self.node, "sandbox": sid,
-                "job": sb.info.job if sb else "", "labels": sb.info.labels if sb else {}}
+                "job": info.job if info else "", "labels": info.labels if info else {}}
 
     def _on_denied_syscall(self, sid: str, pid: int, comm: str, name: str, detail: dict[str, str]) -> None:
         self.audit.emit(AuditEvent(**self._audit_base(sid), kind="syscall", syscall=name, pid=pid, comm=comm,
@@ -321,13 +325,28 @@ class NodeAgent:
     async def _watch_activity(self, sb: Sandbox, sub: Substrate) -> None:
         """Start reporting the sandbox's file activity (its root filesystem's superblock)."""
         root = sub.audit_root(sb)
-        if self.activity is None or root is None:
+        if root is not None:
+            await self._add_activity(sb.id, root)
+
+    async def _add_activity(self, sid: str, root: str) -> None:
+        if self.activity is None:
             return
         try:
-            mode = await asyncio.to_thread(self.activity.add, sb.id, root)
+            mode = await asyncio.to_thread(self.activity.add, sid, root)
             FILE_ACTIVITY_MODE.labels(self.node, mode).inc()
         except OSError as e:
-            logs.kv(log, logging.WARNING, "file activity of this sandbox is not audited", sandbox=sb.id, error=str(e))
+            logs.kv(log, logging.WARNING, "file activity of this sandbox is not audited", sandbox=sid, error=str(e))
+
+    async def _watch_run(self, info: SandboxInfo, root: str) -> Callable[[], None]:
+        """Substrate.run_watcher: a one-shot run's file activity, tagged like a sandbox's."""
+        self.run_infos[info.id] = info
+        sid = info.id
+        await self._add_activity(sid, root)
+
+        def stop() -> None:
+            self._unwatch_activity(sid)
+            self.run_infos.pop(sid, None)
+        return stop
 
     def _check_limits(self, sb: Sandbox, sub: Substrate, cmd: str = "") -> None:
         """Report new OOM kills and pids-limit hits (after each exec, and every heartbeat for what

@@ -218,7 +218,14 @@ class FileActivity:
         return mode
 
     def remove(self, sid: str) -> None:
-        """Stop watching (before the root is unmounted: the root fd would keep it busy)."""
+        """Stop watching (before the root is unmounted: the root fd would keep it busy). Events
+        the kernel queued already are read first: a one-shot run stops being watched right after
+        its command ends, before the loop has had a turn to read what the command did."""
+        if sid not in self.watches:
+            return
+        for gfd, fid in ((self.fid_fd, True), (self.fd_fd, False)):
+            if gfd is not None:
+                self._on_ready(gfd, fid)
         w = self.watches.pop(sid, None)
         if w is None:
             return

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import ClassVar
 
@@ -87,11 +88,27 @@ class Substrate(abc.ABC):
         id). The default is this substrate's own create, exec and destroy."""
         sb = await self.create(info, spec)
         try:
-            result = await self.exec(sb, req, on_chunk)
+            async with self.watch_run(sb.info, self.audit_root(sb)):
+                result = await self.exec(sb, req, on_chunk)
         except BaseException:
             await asyncio.shield(self.destroy(sb))
             raise
         return result, lambda: self.destroy(sb)
+
+    #: set by the agent: starts auditing a one-shot run's file activity (given the run's info and
+    #: its root) and returns what stops it; None: one-shot runs are not watched
+    run_watcher: Callable[[SandboxInfo, str], Awaitable[Callable[[], None]]] | None = None
+
+    @contextlib.asynccontextmanager
+    async def watch_run(self, info: SandboxInfo, root: str | None) -> AsyncIterator[None]:
+        """Around a one-shot run's command: its file activity audited like a sandbox's (a run is
+        a sandbox too, and one-shot graders are where a cheat would hide)."""
+        stop = await self.run_watcher(info, root) if self.run_watcher is not None and root else None
+        try:
+            yield
+        finally:
+            if stop is not None:
+                stop()
 
     #: `spec.image` names an image in corral's catalog (checked by the agent before create);
     #: False for substrates that resolve images themselves (docker: local Docker images)

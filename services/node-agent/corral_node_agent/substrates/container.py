@@ -155,28 +155,7 @@ class ContainerSubstrate(Substrate):
         os.makedirs(f"{sdir}/rw")
         os.makedirs(f"{sdir}/rootfs")
         os.makedirs(f"{sdir}/io", mode=0o755)
-        linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m,mode=755")
-        os.mkdir(f"{sdir}/rw/upper", 0o755)
-        os.mkdir(f"{sdir}/rw/work", 0o755)
-        # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
-        # to root for a host user who can reach the state dir. upper and work are given as
-        # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
-        # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
-        # claim renames it) must not show there. index=on,nfs_export=on make the overlay's file
-        # handles decodable, which fanotify needs to report its directory entry events
-        # (create/unlink/rename) with paths (audit_files.py); without them (a lower that cannot
-        # export handles) the overlay is mounted plain and file activity falls back to fd mode
-        up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
-        wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
-        try:
-            opts = f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}"
-            try:
-                linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
-            except OSError:
-                linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
-        finally:
-            os.close(up)
-            os.close(wk)
+        mount_root(sdir, lower, spec.disk_mb)
         if spec.workdir not in ("", "/"):
             confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
         cfg = oci.config(
@@ -585,6 +564,33 @@ class ContainerSubstrate(Substrate):
         if p.returncode != 0 or not p.stdout.strip() or p.stdout.strip() == "null":
             return {}
         return {c["id"]: c for c in json.loads(p.stdout)}
+
+
+def mount_root(sdir: str, lower: str, disk_mb: int) -> None:
+    """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs; `sdir/rootfs`:
+    the overlay of `lower` (image layers, ':'-separated) and that upper."""
+    linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={disk_mb}m,mode=755")
+    os.mkdir(f"{sdir}/rw/upper", 0o755)
+    os.mkdir(f"{sdir}/rw/work", 0o755)
+    # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
+    # to root for a host user who can reach the state dir. upper and work are given as
+    # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
+    # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
+    # claim renames it) must not show there. index=on,nfs_export=on make the overlay's file
+    # handles decodable, which fanotify needs to report its directory entry events
+    # (create/unlink/rename) with paths (audit_files.py); without them (a lower that cannot
+    # export handles) the overlay is mounted plain and file activity falls back to fd mode
+    up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
+    wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
+    try:
+        opts = f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}"
+        try:
+            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
+        except OSError:
+            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
+    finally:
+        os.close(up)
+        os.close(wk)
 
 
 def readable(fd: int, timeout_s: float) -> bool:

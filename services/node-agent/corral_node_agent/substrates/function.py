@@ -57,7 +57,7 @@ from ..aio import wait_readable as _wait_readable
 from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
 from .common import result_stderr
-from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, readable, wait_pid
+from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, mount_root, readable, wait_pid
 
 log = logging.getLogger("corral.node.function")
 
@@ -174,7 +174,8 @@ class FunctionSubstrate(ContainerSubstrate):
                 info.id = sb.id
                 self.running_warm[sb.id] = sb
                 try:
-                    result = await ContainerSubstrate.exec(self, sb, req, on_chunk)
+                    async with self.watch_run(info, sb.rootfs):
+                        result = await ContainerSubstrate.exec(self, sb, req, on_chunk)
                 except BaseException:
                     await asyncio.shield(self._destroy_warm(sb))
                     raise
@@ -183,7 +184,8 @@ class FunctionSubstrate(ContainerSubstrate):
             info.id = slot.sid
             self.running[slot.sid] = slot
             try:
-                result = await self._run_in(slot, spec, req, argv, env, cwd, on_chunk)
+                async with self.watch_run(info, slot.rootfs):
+                    result = await self._run_in(slot, spec, req, argv, env, cwd, on_chunk)
             except BaseException:
                 await asyncio.shield(self._release(slot))
                 raise
@@ -353,11 +355,7 @@ class FunctionSubstrate(ContainerSubstrate):
         os.makedirs(sdir, mode=0o700)
         os.makedirs(f"{sdir}/rw")
         os.makedirs(f"{sdir}/rootfs")
-        linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={slot.disk_mb}m,mode=755")
-        os.mkdir(f"{sdir}/rw/upper", 0o755)
-        os.mkdir(f"{sdir}/rw/work", 0o755)
-        linux.mount("overlay", slot.rootfs, "overlay", linux.MS_NOSUID | linux.MS_NODEV,
-                    f"lowerdir={lower},upperdir={sdir}/rw/upper,workdir={sdir}/rw/work")
+        mount_root(sdir, lower, slot.disk_mb)  # (with decodable handles: file activity with paths)
         make_netns(f"{sdir}/netns")
 
     async def _release(self, slot: Slot) -> None:
