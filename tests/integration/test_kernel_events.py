@@ -88,6 +88,12 @@ async def test_pids_limit_hits_and_oom_kills_are_events(client, nc):
             await w.until(lambda: bool(w.of("oom")), what="oom event")
             assert w.of("oom")[0].detail["memory_mb"] == "64" and int(w.of("oom")[0].detail["kills"]) >= 1
             await w.until(lambda: "memory_bomb" in {a.rule for a in w.alerts}, what="memory_bomb alert")
+            # one that goes off in the background after its exec has answered: seen by the poll
+            # with the heartbeat (no command to name)
+            r = await sb.exec("(sleep 1; x=$(head -c 200000000 /dev/zero | tr '\\0' a)) >/dev/null 2>&1 & echo started")
+            assert r.stdout == "started\n" and not r.oom_killed
+            await w.until(lambda: len(w.of("oom")) >= 2, what="a second oom event, from the background")
+            assert "cmd" not in w.of("oom")[1].detail and int(w.of("oom")[1].detail["kills"]) >= 1
     finally:
         await sb.destroy()
 

@@ -351,10 +351,9 @@ class NodeAgent:
     def _check_limits(self, sb: Sandbox, sub: Substrate, cmd: str = "") -> None:
         """Report new OOM kills and pids-limit hits (after each exec, and every heartbeat for what
         background processes run into). The first look only sets the baseline."""
-        try:
-            now = sub.limit_counters(sb)
-        except Exception:
-            return
+        self._report_limits(sb, _limit_counters(sb, sub), cmd)
+
+    def _report_limits(self, sb: Sandbox, now: tuple[int, int, str] | None, cmd: str = "") -> None:
         if now is None:
             return
         ooms, hits, limit = now
@@ -968,10 +967,15 @@ class NodeAgent:
         except Exception:
             log.exception("usage collection failed")
         if self.cfg.audit:  # what background processes ran into: OOM kills, pids-limit hits
-            for sid, sb in list(self.sandboxes.items()):
-                sub = self.substrate_of.get(sid)
-                if sub is not None and sid not in self.destroying:
-                    self._check_limits(sb, sub)
+            # read on the usage thread: ~4 cgroup files per sandbox, which for 2,000 sandboxes
+            # held the loop for hundreds of ms per heartbeat (creates at 2,000 alive took 5x longer)
+            pairs = [(sb, sub) for sid, sb in list(self.sandboxes.items())
+                     if (sub := self.substrate_of.get(sid)) is not None and sid not in self.destroying]
+            counters = await asyncio.get_running_loop().run_in_executor(
+                self.usage_thread, lambda: [_limit_counters(sb, sub) for sb, sub in pairs])
+            for (sb, _), now in zip(pairs, counters):
+                if sb.id in self.sandboxes and sb.id not in self.destroying:
+                    self._report_limits(sb, now)
 
     async def _reaper_loop(self) -> None:
         while True:
@@ -990,3 +994,12 @@ class NodeAgent:
 
 class _Empty(msgspec.Struct, forbid_unknown_fields=False):
     pass
+
+
+def _limit_counters(sb: Sandbox, sub: Substrate) -> tuple[int, int, str] | None:
+    """(OOM kills, pids-limit hits, pids limit) of the sandbox; None if it has no cgroup (or its
+    cgroup is gone: it is being destroyed)."""
+    try:
+        return sub.limit_counters(sb)
+    except Exception:
+        return None
