@@ -236,7 +236,9 @@ class PullConsumer:
 
     async def _work(self, sub: Any, stop: asyncio.Event) -> None:
         """Fetch and stage batches; commit what is staged once per `commit_s` (or when it holds
-        `commit_bytes`), then ack it. With `commit_s` 0 every fetch is committed on its own."""
+        `commit_bytes`), then ack it. With `commit_s` 0 every fetch is committed on its own. A
+        commit runs beside the fetching and staging of the next batches (at most one per
+        worker at a time, in order)."""
         loop = asyncio.get_running_loop()
         h = self.handler
         self.backoff = 0.1
@@ -244,6 +246,7 @@ class PullConsumer:
         held: list[Msg] = []
         held_bytes = 0
         due = 0.0
+        committing: asyncio.Task | None = None
         while not stop.is_set():
             timeout = self.fetch_timeout_s
             if held:
@@ -278,8 +281,12 @@ class PullConsumer:
                     held.extend(msgs)
                     held_bytes += nbytes
             if held and (loop.time() >= due or held_bytes >= self.commit_bytes):
-                await self._commit(pending, held)
+                if committing is not None:
+                    await committing
+                committing = asyncio.create_task(self._commit(pending, held))
                 pending, held, held_bytes = h.new_pending(), [], 0
+        if committing is not None:
+            await committing
         if held:  # stopping: store and ack what was staged
             await self._commit(pending, held)
 
