@@ -187,8 +187,11 @@ class _Whole(Staged):
 
 
 class PullConsumer:
-    """`workers` concurrent fetch loops on one durable pull consumer; a batch is acked only after
-    `handler` returned; if it raises, the batch is nak'ed with a delay and redelivered."""
+    """`workers` concurrent fetch loops on one durable pull consumer. Each fetched batch is staged
+    by `handler` at once; what was staged is committed once per `commit_s` and its messages are
+    acked only after that; if staging or the commit raises, the messages are nak'ed with a delay
+    and redelivered (or, for a failure that is not an outage, retried one by one). A plain
+    async function as `handler` does all its work when a batch is staged."""
 
     def __init__(self, js: JetStreamContext, stream: str, durable: str, subject: str, handler: Handler, *,
                  batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
