@@ -5,19 +5,25 @@ one node-agent), everything on this machine.
   ingest    a backlog of N exec audit events (batches of 256, as the node-agent publishes them;
             realistic commands, 0.1% of them misbehaving) is published to CORRAL_AUDIT while the
             monitor is stopped; the monitor is then started with --workers W and the time from its
-            first stored event to its last is measured from its Prometheus counter
-            (corral_monitor_events_ingested_total). Every event goes through decode, dedup,
-            insert into audit_events and exec_log (ClickHouse via chdb), and the stream rules.
+            first fetch to its last stored event is measured from its Prometheus counters
+            (corral_monitor_events_ingested_total); "first" is when its first fetched batch was
+            staged (corral_monitor_batch_seconds_count), as stored events only show up a commit
+            later. Every event goes through decode, dedup, insert into audit_events and exec_log
+            (ClickHouse via chdb), and the stream rules.
   alerts    latency from publishing an audit event (its `ts`) to its alert arriving on
             corral.alerts.> (same clock): (a) idle monitor, one event per message at 20/s,
             (b) the same while 20k events/s of benign background load stream in, (c) end to end
             from a real sandbox: `sb.exec('cat /proc/1/environ')` returning until the alert.
   overhead  exec latency (`sb.exec(['true'])`, sequential, from the SDK) with auditing on vs off,
-            alternating rounds. "off" restarts the node-agent with `--no-audit`: no exec log, no
-            file-activity fanotify group, no seccomp-notify listener (denied syscalls are plain
-            EPERM, connect/kill are not inspected), nothing published or ingested; "on" has every
-            audit source of a container sandbox. A third mode, audit on with the monitor stopped, separates the node-side
-            cost from the monitor competing for this machine's two cores.
+            side by side: two node-agents in the stack, one audited ("on": every audit source
+            of a container sandbox, events ingested by the monitor), one with `--no-audit`
+            ("off": no exec log, no file-activity fanotify group, no seccomp-notify listener,
+            nothing published or ingested), roles swapped for the second half, a sandbox on
+            each; timed blocks of sequential execs alternate between them (ABBA), no restart
+            inside the timed part, and before each "off" block the monitor has stored everything
+            published so far, so its work on an "on" block is not charged to the "off" block
+            after it. A second phase with the monitor stopped
+            separates the node-side cost from the monitor competing for this machine's cores.
   overhead_python  the same with a Python start on debian (`python3 -c 'import json, subprocess,
             tempfile; ...'`: hundreds of opens and a temp file, the file-activity heavy case);
             only with --only overhead_python, reported beside the verdict, not in it.
@@ -213,7 +219,8 @@ async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: i
                 continue
             now = time.perf_counter()
             samples.append((now - t_start, v))
-            if v > 0 and first is None:
+            # from the first fetched batch staged (stored events appear a commit interval later)
+            if first is None and metric(url, "corral_monitor_batch_seconds_count") > 0:
                 first = now
             if v >= events:
                 last = now
@@ -336,53 +343,55 @@ async def alert_latency_real(client, n: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- 3. audit overhead
 
-async def restart_node(stack, client, audit: bool) -> None:
-    """Restart node-1 with auditing on, or off (`--no-audit`: no exec log, no file-activity
-    fanotify group, no seccomp listener; the denied syscalls are plain EPERM)."""
-    await stop_proc(stack, "node-1")
-    p = stack.proc("node-1")
+AUDITED, UNAUDITED = "node-1", "node-2"
+
+
+async def set_node_audit(stack, client, node: str, audit: bool) -> None:
+    """Restart `node` with auditing on, or off (`--no-audit`: no exec log, no file-activity
+    fanotify group, no seccomp listener; the denied syscalls are plain EPERM), and wait until it
+    heartbeats again. Done once, before any timed block."""
+    await stop_proc(stack, node)
+    p = stack.proc(node)
     rest = [a for a in list(p.argv)[3:] if a != "--no-audit"]  # [python, -m, corral_node_agent, *options]
     p.argv[:] = [sys.executable, "-m", "corral_node_agent", *rest, *([] if audit else ["--no-audit"])]
-    stack.restart("node-1")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    stack.restart(node)
+    import msgspec
+
+    from corral_common.messages import Heartbeat
+
+    got = asyncio.Event()
+
+    async def on_hb(msg) -> None:
         try:
-            sb = await client.create(image="busybox", cpu=0.05, memory_mb=32, ttl_s=60)
-            await sb.destroy()
-            return
+            if msgspec.json.decode(msg.data, type=Heartbeat).node == node:
+                got.set()
         except Exception:
-            await asyncio.sleep(0.3)
-    raise TimeoutError("node-1 did not come back")
+            pass
+
+    sub = await client.nc.subscribe(subjects.NODE_HEARTBEAT, cb=on_hb)
+    try:
+        await asyncio.wait_for(got.wait(), 120)
+    finally:
+        await sub.unsubscribe()
+    await asyncio.sleep(2.5)  # the scheduler sees the node's fresh heartbeat
+
+
+async def sandbox_on(client, node: str, image: str, tries: int = 12):
+    """A sandbox on `node`: created through the scheduler (spread placement alternates the two
+    nodes), extras destroyed."""
+    extra = []
+    try:
+        for _ in range(tries):
+            sb = await client.create(image=image, cpu=0.5, memory_mb=256, ttl_s=3600, job="bench-overhead")
+            if sb.info.node == node:
+                return sb
+            extra.append(sb)
+        raise RuntimeError(f"the scheduler placed no sandbox on {node} in {tries} tries")
+    finally:
+        await asyncio.gather(*(x.destroy() for x in extra), return_exceptions=True)
 
 
 PY_CMD = ["python3", "-c", "import json, subprocess, tempfile; tempfile.NamedTemporaryFile(dir='/tmp').write(b'x')"]
-
-
-async def exec_round(client, n: int, warmup: int, conc: int, image: str = "busybox", cmd: list[str] | None = None) -> dict[str, Any]:
-    cmd = cmd or ["true"]
-    sb = await client.create(image=image, cpu=0.5, memory_mb=256, ttl_s=600, job="bench-overhead")
-    try:
-        for _ in range(warmup):
-            await sb.exec(cmd)
-        seq = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await sb.exec(cmd)
-            seq.append((time.perf_counter() - t0) * 1000)
-        # throughput with `conc` concurrent callers
-        t0 = time.perf_counter()
-        per = max(1, n // conc)
-
-        async def loop() -> None:
-            for _ in range(per):
-                await sb.exec(cmd)
-
-        await asyncio.gather(*(loop() for _ in range(conc)))
-        thr = per * conc / (time.perf_counter() - t0)
-    finally:
-        await sb.destroy()
-    return {"samples_ms": seq, "sequential_ms": summary(seq), "concurrent_execs_per_s": thr, "concurrency": conc,
-            "loadavg": os.getloadavg()}
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -391,52 +400,121 @@ def proc_cpu_s(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench_overhead(stack, client, nc, n: int, rounds: int, image: str = "busybox", cmd: list[str] | None = None) -> dict[str, Any]:
-    """Three modes, in alternating order each round so drifting machine load hits all of them:
-    `off` (the node-agent with --no-audit), `on` (the default: events published and ingested by the
-    monitor on this same 2-core machine), `on_nomonitor` (events published to JetStream, monitor
-    stopped: the node-side cost alone). Verdict: pooled p50 of `on` vs `off`."""
-    modes = ["on", "off", "on_nomonitor"]
-    res: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for r in range(rounds):
-        order = modes[r % 3:] + modes[:r % 3]
-        for mode in order:
-            await restart_node(stack, client, audit=(mode != "off"))
-            mon = stack.proc("monitor")
-            if mode == "on_nomonitor":
-                await stop_proc(stack, "monitor")
-            elif mon.popen.poll() is not None:
+async def monitor_caught_up(nc, timeout: float = 60.0) -> float:
+    """Wait until the monitor has stored (and acked) everything published to CORRAL_AUDIT so far;
+    returns the seconds waited."""
+    js = nc.jetstream()
+    t0 = time.monotonic()
+    target = (await js.stream_info("CORRAL_AUDIT")).state.last_seq
+    while time.monotonic() - t0 < timeout:
+        ci = await js.consumer_info("CORRAL_AUDIT", subjects.MONITOR_AUDIT_DURABLE)
+        if ci.ack_floor is not None and (ci.ack_floor.stream_seq or 0) >= target:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.02)
+    raise TimeoutError("the monitor did not catch up")
+
+
+async def timed_block(sb, cmd: list[str], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await sb.exec(cmd)
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+async def bench_overhead(stack, client, nc, n: int, rounds: int, image: str = "busybox", cmd: list[str] | None = None,
+                         block: int = 250) -> dict[str, Any]:
+    """Two node-agents side by side in one stack: one audited (the default), the other restarted
+    with --no-audit before anything is timed; for the second half of the run they swap roles.
+    One sandbox on each. Timed blocks of `block` sequential execs (`sb.exec(cmd)` from the SDK)
+    alternate between the two sandboxes in ABBA order, about `n * rounds` execs per mode and
+    phase in all; nothing restarts inside the timed part. Before each `off` block the monitor
+    must have stored and acked everything published (the previous `on` block's events), so its
+    ingest work is not charged to `off`; before every block
+    the node-agents' own timers (audit flush 0.2 s, limit checks 0.2 s after an exec) have passed.
+    A block (250 execs) lasts about as long as the monitor's commit interval or longer, so most
+    of an `on` block's inserts happen inside `on` blocks (its last one may fall in the wait).
+
+    A second phase, the node-side cost alone: the monitor is stopped and `on` (events published to
+    JetStream, nobody consuming) alternates with `off` the same way. Verdict: pooled p50 of `on`
+    vs `off` of the first phase."""
+    cmd = cmd or ["true"]
+    blocks = max(2, (n * rounds) // block // 2)  # per mode, phase and half
+    samples: dict[str, list[float]] = {"on": [], "off": [], "on_nomonitor": [], "off_nomonitor": []}
+    per_block: list[dict[str, Any]] = []
+    mon_cpu: dict[str, float] = {"on": 0.0, "off": 0.0}
+    mon_wall: dict[str, float] = {"on": 0.0, "off": 0.0}
+    loads: list[float] = []
+    waits: list[float] = []
+    for half, (audited, unaudited) in enumerate(((AUDITED, UNAUDITED), (UNAUDITED, AUDITED))):
+        # the second half swaps the nodes' roles, so nothing particular to one node-agent (its
+        # age, its cgroups, where its sandbox landed) leans the comparison; restarts happen here,
+        # never inside the timed part
+        if half == 0:
+            await set_node_audit(stack, client, unaudited, audit=False)
+        else:
+            await set_node_audit(stack, client, unaudited, audit=False)
+            await set_node_audit(stack, client, audited, audit=True)
+        sbs = {"on": await sandbox_on(client, audited, image), "off": await sandbox_on(client, unaudited, image)}
+        try:
+            for sb in sbs.values():
+                await timed_block(sb, cmd, 30)  # warm-up, untimed
+            for phase in ("monitor", "nomonitor"):
+                if phase == "nomonitor":
+                    await stop_proc(stack, "monitor")
+                for i in range(2 * blocks):
+                    mode = ("on", "off", "off", "on")[i % 4]  # ABBA: drift hits both alike
+                    await asyncio.sleep(0.5)  # the node-agents' flush and limit timers of the last block
+                    if phase == "monitor":
+                        if mode == "off":  # the monitor's work on the on blocks is not charged to off
+                            waits.append(await monitor_caught_up(nc))
+                        mon = stack.proc("monitor")
+                        c0, w0 = proc_cpu_s(mon.popen.pid), time.perf_counter()
+                    xs = await timed_block(sbs[mode], cmd, block)
+                    key = mode if phase == "monitor" else f"{mode}_nomonitor"
+                    if phase == "monitor":
+                        mon_cpu[mode] += proc_cpu_s(mon.popen.pid) - c0
+                        mon_wall[mode] += time.perf_counter() - w0
+                    samples[key].extend(xs)
+                    load = os.getloadavg()[0]
+                    loads.append(load)
+                    per_block.append({"half": half, "audited_node": audited, "mode": key, "p50_ms": statistics.median(xs),
+                                      "loadavg_1m": load})
+                    if i % 4 == 3:
+                        log(f"overhead (half {half + 1}, {phase}): block {i + 1}/{2 * blocks}: " + ", ".join(
+                            f"{k} p50 {statistics.median(v):.3f} ms" for k, v in samples.items() if v) + f", load {load:.1f}")
+        finally:
+            await asyncio.gather(*(sb.destroy() for sb in sbs.values()), return_exceptions=True)
+            if stack.proc("monitor").popen.poll() is not None:
                 stack.restart("monitor")
                 await wait_query(nc)
-            mon = stack.proc("monitor")
-            cpu0 = proc_cpu_s(mon.popen.pid) if mon.popen.poll() is None else None
-            t0 = time.perf_counter()
-            x = await exec_round(client, n, warmup=30, conc=8, image=image, cmd=cmd)
-            if cpu0 is not None and mon.popen.poll() is None:
-                x["monitor_cpu_share"] = (proc_cpu_s(mon.popen.pid) - cpu0) / (time.perf_counter() - t0)
-            res[mode].append(x)
-            log(f"overhead: round {r + 1} audit {mode}: exec p50 {x['sequential_ms']['p50']:.3f} ms, "
-                f"p99 {x['sequential_ms']['p99']:.3f} ms, {x['concurrent_execs_per_s']:,.0f} execs/s (8 callers), "
-                f"monitor cpu {x.get('monitor_cpu_share', 0) * 100:.0f}%, load {x['loadavg'][0]:.1f}")
-    await restart_node(stack, client, audit=True)
-    if stack.proc("monitor").popen.poll() is not None:
-        stack.restart("monitor")
-        await wait_query(nc)
-    pooled = {m: summary([v for x in xs for v in x["samples_ms"]]) for m, xs in res.items()}
-    for xs in res.values():
-        for x in xs:
-            x.pop("samples_ms")
-    p50 = {m: pooled[m]["p50"] for m in res}
-    p99 = {m: pooled[m]["p99"] for m in res}
-    mean = {m: pooled[m]["mean"] for m in res}
-    thr = {m: statistics.median(x["concurrent_execs_per_s"] for x in v) for m, v in res.items()}
-    return {"rounds": res, "pooled_ms": pooled, "p50_ms": p50, "p99_ms": p99, "mean_ms": mean, "execs_per_s": thr,
+    await set_node_audit(stack, client, UNAUDITED, audit=True)
+    pooled = {m: summary(v) for m, v in samples.items()}
+    # paired: each on block against the off block next to it (ABBA: on,off | off,on | ...), the
+    # median of those ratios; less swayed by the machine's load drifting between blocks
+    paired: dict[str, float | None] = {}
+    for on_key, off_key in (("on", "off"), ("on_nomonitor", "off_nomonitor")):
+        bs = [b for b in per_block if b["mode"] in (on_key, off_key)]
+        ratios = []
+        for a, b in zip(bs[0::2], bs[1::2]):
+            on_b, off_b = (a, b) if a["mode"] == on_key else (b, a)
+            if on_b["mode"] == on_key and off_b["mode"] == off_key:
+                ratios.append(on_b["p50_ms"] / off_b["p50_ms"])
+        paired[on_key] = statistics.median(ratios) - 1 if ratios else None
+    p50 = {m: pooled[m]["p50"] for m in samples}
+    p99 = {m: pooled[m]["p99"] for m in samples}
+    mean = {m: pooled[m]["mean"] for m in samples}
+    return {"method": "side by side: one node-agent audited, one --no-audit (roles swapped for the second half), "
+                      "alternating ABBA blocks, monitor caught up before each off block",
+            "pooled_ms": pooled, "p50_ms": p50, "p99_ms": p99, "mean_ms": mean,
             "p50_overhead": p50["on"] / p50["off"] - 1, "p99_overhead": p99["on"] / p99["off"] - 1,
             "mean_overhead": mean["on"] / mean["off"] - 1,
-            "p50_overhead_node_side": p50["on_nomonitor"] / p50["off"] - 1,
-            "throughput_overhead": 1 - thr["on"] / thr["off"],
-            "throughput_overhead_node_side": 1 - thr["on_nomonitor"] / thr["off"], "n_per_round": n,
-            "image": image, "cmd": cmd or ["true"]}
+            "p50_overhead_node_side": p50["on_nomonitor"] / p50["off_nomonitor"] - 1,
+            "paired_block_p50_overhead": paired["on"], "paired_block_p50_overhead_node_side": paired["on_nomonitor"],
+            "monitor_cpu_share": {m: mon_cpu[m] / mon_wall[m] if mon_wall[m] else None for m in mon_cpu},
+            "monitor_catch_up_wait_s": summary(waits), "loadavg_1m": summary(loads),
+            "blocks": per_block, "block": block, "execs_per_mode": len(samples["on"]), "image": image, "cmd": cmd}
 
 
 # ----------------------------------------------------------------------------- plot
@@ -486,18 +564,23 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax = axes[2]
     ov = res.get("overhead")
     if ov:
-        modes = [m for m in ("off", "on_nomonitor", "on") if m in ov["p50_ms"]]
+        modes = [m for m in ("off", "on", "off_nomonitor", "on_nomonitor") if m in ov["p50_ms"]]
         xs = range(len(modes))
         ax.bar([x - 0.2 for x in xs], [ov["p50_ms"][m] for m in modes], width=0.4, label="p50", color="#4c72b0")
         ax.bar([x + 0.2 for x in xs], [ov["p99_ms"][m] for m in modes], width=0.4, label="p99", color="#dd8452")
         for x, m in zip(xs, modes):
             ax.text(x - 0.2, ov["p50_ms"][m], f"{ov['p50_ms'][m]:.2f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels({"off": "audit off", "on_nomonitor": "audit on,\nmonitor stopped", "on": "audit on,\nmonitor ingesting"}[m]
-                           for m in modes)
+        ax.set_xticklabels([{"off": "audit off", "on": "audit on,\nmonitor\ningesting",
+                             "off_nomonitor": "audit off,\nmonitor\nstopped", "on_nomonitor": "audit on,\nmonitor\nstopped"}[m]
+                            for m in modes], fontsize=8)
         ax.set_ylim(0, max(ov["p99_ms"][m] for m in modes) * 1.35)
-        ax.set_ylabel("ms per sb.exec(['true']) (sequential)")
-        ax.set_title(f"audit overhead: p50 {ov['p50_overhead'] * 100:+.1f}%, p99 {ov['p99_overhead'] * 100:+.1f}%")
+        ax.set_ylabel(f"ms per sb.exec({ov.get('cmd', ['true'])!r}) (sequential)")
+        paired = ov.get("paired_block_p50_overhead")
+        ax.set_title(f"audit overhead, side by side: p50 {ov['p50_overhead'] * 100:+.1f}% "
+                     f"(node side {ov['p50_overhead_node_side'] * 100:+.1f}%), p99 {ov['p99_overhead'] * 100:+.1f}%"
+                     + (f"\npaired blocks {paired * 100:+.1f}%" if paired is not None else "")
+                     + f"; load avg {ov.get('loadavg_1m', {}).get('p50', 0):.1f} on {os.cpu_count()} cores", fontsize=9)
         ax.legend(loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -514,7 +597,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from corral_sdk.stack import Stack, free_port
 
     data = tempfile.mkdtemp(prefix="crl-bench-mon-", dir="/tmp")
-    stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=args.image_dir)
+    # the overhead phases run an audited and an unaudited node-agent side by side
+    nodes = 2 if {"overhead", "overhead_python"} & set(args.only) else 1
+    stack = Stack(data_dir=data, nodes=nodes, nats_port=free_port(), image_dir=args.image_dir)
     res: dict[str, Any] = {"benchmark": "monitor_ingest", "started": datetime.datetime.now().isoformat(timespec="seconds"),
                            "machine": machine(), "goals": GOALS}
     log(f"starting the embedded stack in {data}")
@@ -539,9 +624,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res["alerts"]["loaded"] = await alert_latency(nc, args.alerts, rate=20, load_eps=args.load_eps)
             res["alerts"]["real_exec"] = await alert_latency_real(client, args.real)
         if "overhead" in args.only:
-            res["overhead"] = await bench_overhead(stack, client, nc, args.execs, args.rounds)
+            res["overhead"] = await bench_overhead(stack, client, nc, args.execs, args.rounds, block=args.block)
         if "overhead_python" in args.only:  # a Python start: hundreds of opens, a temp file (file activity)
-            res["overhead_python"] = await bench_overhead(stack, client, nc, max(20, args.execs // 3), args.rounds, "debian", PY_CMD)
+            res["overhead_python"] = await bench_overhead(stack, client, nc, max(20, args.execs // 3), args.rounds, "debian", PY_CMD,
+                                                       block=max(10, args.block // 3))
         if "ingest_unique" in args.only:
             # every command distinct: the rules' per-command cache never hits (worst case for the rules)
             runs = await bench_ingest(stack, nc, args.events, [args.workers[0]] * args.repeat, args.batch, unique=True)
@@ -582,8 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alerts", type=int, default=200, help="alert latency samples per scenario")
     ap.add_argument("--load-eps", type=float, default=20_000, help="background events/s for the loaded latency run")
     ap.add_argument("--real", type=int, default=30, help="real-sandbox alert latency samples")
-    ap.add_argument("--execs", type=int, default=300, help="execs per overhead round")
-    ap.add_argument("--rounds", type=int, default=6, help="overhead rounds (each runs every mode once)")
+    ap.add_argument("--execs", type=int, default=300, help="overhead: execs per mode per round")
+    ap.add_argument("--rounds", type=int, default=10, help="overhead: rounds (about execs * rounds per mode and phase, in blocks)")
+    ap.add_argument("--block", type=int, default=250, help="overhead: sequential execs per timed block (modes alternate by block; "
+                    "a block outlasts the monitor's 1 s commit interval, so its inserts land inside the on blocks)")
     ap.add_argument("--only", nargs="+", default=["ingest", "ingest_unique", "alerts", "overhead"], choices=["ingest", "ingest_unique", "alerts", "overhead", "overhead_python"])
     ap.add_argument("--keep", action="store_true", help="keep the stack's data dir (logs) for inspection")
     ap.add_argument("--image-dir", default=os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images"))

@@ -40,6 +40,40 @@ async def test_file_activity_of_a_container_sandbox_is_audited_with_path_and_pid
         await sb.destroy()
 
 
+def _metric(url: str, name: str) -> float:
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M))
+
+
+async def test_repeated_records_are_skipped_undecoded_and_new_files_still_reported(client, nc, stack):
+    """Records that repeat a coalesced one byte for byte (other processes opening the same file)
+    are skipped before decoding (counted); the first of them and any new file are still reported."""
+    sb = await client.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600, job="audit-files-raw", workdir="/work")
+    url = stack.proc(sb.info.node).metrics_url
+    try:
+        async with Watch(nc, sb.info.node, sb.id) as w:
+            r = await sb.exec("echo a > /work/r.txt && echo ok")
+            assert r.stdout == "ok\n", r
+            await w.until(lambda: ("create", "/work/r.txt") in _ops(w), what="r.txt created")
+            before = _metric(url, "corral_file_activity_raw_repeats_total")
+            # a subshell each: ten processes (records of one process are merged by the kernel)
+            r = await sb.exec("for i in 1 2 3 4 5 6 7 8 9 10; do (cat /work/r.txt >/dev/null); done; echo ok")
+            assert r.stdout == "ok\n", r
+            await w.until(lambda: ("open", "/work/r.txt") in _ops(w), what="the first open of r.txt")
+            r = await sb.exec("cat /etc/passwd /work/r.txt > /work/new.txt && echo ok")
+            assert r.stdout == "ok\n", r
+            await w.until(lambda: {("open", "/etc/passwd"), ("create", "/work/new.txt"), ("write", "/work/new.txt")} <= _ops(w),
+                          what="the later, new file events")
+            skipped = _metric(url, "corral_file_activity_raw_repeats_total") - before
+            assert skipped >= 5, skipped  # nine more processes opened r.txt
+            assert sum(1 for e in w.of("file") if e.op == "open" and e.path == "/work/r.txt") == 1
+    finally:
+        await sb.destroy()
+
+
 REPO_SETUP = r"""set -e
 git config --global user.email agent@example.com; git config --global user.name agent; git config --global init.defaultBranch main
 cd /repo

@@ -3,6 +3,7 @@ hits and OOM kills (the sandbox's cgroup counters), each from a real sandbox doi
 a benign counterpart that must stay quiet."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from .test_audit_sources import Watch
@@ -131,3 +132,46 @@ async def test_retried_audit_batches_are_stored_once(nc):
     finally:
         await sub.unsubscribe()
     assert [e.id for e in got] == [e.id for e in sent]
+
+
+async def test_audit_log_publishes_on_a_timer_not_per_event(nc):
+    """Events emitted close together go out in one publish `interval_s` after the first; an idle
+    log has no timer armed; a later event starts a new one."""
+    import secrets
+
+    import msgspec
+
+    from corral_common.audit import AuditBatch, AuditEvent, event_id
+    from corral_node_agent.auditlog import AuditLog
+
+    js = nc.jetstream()
+    sid = f"sb-timer-{secrets.token_hex(4)}"
+    got: list[tuple[float, list[str]]] = []
+
+    async def on_msg(m) -> None:
+        got.append((time.monotonic(), [e.cmd for e in msgspec.json.decode(m.data, type=AuditBatch).events]))
+
+    sub = await js.subscribe(f"corral.audit.node-t.{sid}", cb=on_msg, ordered_consumer=True)
+    log = AuditLog(js, "node-t", interval_s=0.3)
+    log.start()
+    try:
+        t0 = time.monotonic()
+        for i in range(5):
+            log.emit(AuditEvent(id=event_id(), ts=time.time(), node="node-t", sandbox=sid, kind="exec", cmd=f"echo {i}"))
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert got and got[0][1] == [f"echo {i}" for i in range(5)], got  # one publish holds all five
+        assert got[0][0] - t0 >= 0.25, got[0][0] - t0  # not before the timer
+        await asyncio.sleep(0.5)
+        assert len(got) == 1 and not log.pending and log.timer is None
+        log.emit(AuditEvent(id=event_id(), ts=time.time(), node="node-t", sandbox=sid, kind="exec", cmd="echo later"))
+        assert log.timer is not None
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert [c for _, c in got] == [[f"echo {i}" for i in range(5)], ["echo later"]]
+    finally:
+        await log.close()
+        await sub.unsubscribe()

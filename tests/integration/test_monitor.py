@@ -455,7 +455,7 @@ def _count_offline(stack, job: str) -> int:
     return int(p.stdout.strip())
 
 
-async def _restart_monitor(stack, extra: list[str] | None = None, drop: tuple[str, ...] = ("--fault", "--batch")) -> None:
+async def _restart_monitor(stack, extra: list[str] | None = None, drop: tuple[str, ...] = ("--fault", "--batch", "--commit-ms")) -> None:
     p = stack.proc("monitor")
     argv = list(p.argv)
     for opt in drop:  # remove earlier test options (each takes one value)
@@ -463,7 +463,9 @@ async def _restart_monitor(stack, extra: list[str] | None = None, drop: tuple[st
             i = argv.index(opt)
             del argv[i:i + 2]
     if "--ack-wait-s" not in argv:
-        argv += ["--ack-wait-s", "2"]  # a killed monitor's unacked batches come back after 2 s, not 30
+        # a killed monitor's unacked batches come back after 7 s, not 30 (the least the monitor
+        # accepts with its default 1 s commit interval)
+        argv += ["--ack-wait-s", "7"]
     p.argv[:] = argv + (extra or [])
     stack.restart("monitor")
 
@@ -516,7 +518,9 @@ async def test_crash_between_insert_and_ack_is_exactly_once(mstack, mnc):
     os.kill(mon.popen.pid, signal.SIGTERM)
     await asyncio.to_thread(mon.popen.wait)
     n_total = await _publish(js, job, msgs=60, per_msg=50)  # a backlog
-    await _restart_monitor(mstack, ["--fault", "crash-after-insert:3", "--batch", "5"])
+    # a commit per fetch of 5 messages, so the backlog takes many commits and the crash falls
+    # between two of them (the kill -9 test above runs the default 1 s commits)
+    await _restart_monitor(mstack, ["--fault", "crash-after-insert:3", "--batch", "5", "--commit-ms", "0"])
     rc = await asyncio.to_thread(mstack.proc("monitor").popen.wait, 60)
     assert rc == 137, f"the injected crash did not happen (exit {rc})"
     with open(os.path.join(mstack.data_dir, "logs", "monitor.log")) as f:
@@ -532,10 +536,15 @@ async def test_crash_between_insert_and_ack_is_exactly_once(mstack, mnc):
         return c[0] >= n_total and c
 
     await wait_for(complete, 60, interval=0.5, what=f"{n_total} events in ClickHouse")
-    await asyncio.sleep(1.0)
+
+    # the batch that was inserted but not acked comes back once its ack wait is over, and is
+    # recognised, not inserted again
+    async def redelivered():
+        return metric(mstack.proc("monitor").metrics_url, "corral_monitor_duplicates_total", stream="CORRAL_AUDIT") > 0
+
+    await wait_for(redelivered, 30, what="the unacked batch redelivered and found stored")
+    await asyncio.sleep(1.5)  # a commit interval and more
     assert await _counts(mnc, job) == (n_total,) * 5
-    # the redelivered batch was recognised, not inserted again
-    assert metric(mstack.proc("monitor").metrics_url, "corral_monitor_duplicates_total", stream="CORRAL_AUDIT") > 0
 
 
 async def test_malformed_events_are_dead_lettered_and_not_fatal(mstack, mnc):
@@ -654,7 +663,8 @@ async def test_poison_message_is_isolated_and_dead_lettered(mstack, mnc):
         assert "ValueError" in err
         dead.append((m.data, m.metadata.num_delivered))
 
-    pc = PullConsumer(js, "T_POISON", "t-poison", "t.poison.>", handler, batch=10, ack_wait_s=30, on_poison=on_poison, poison_after=3)
+    pc = PullConsumer(js, "T_POISON", "t-poison", "t.poison.>", handler, batch=10, ack_wait_s=30, on_poison=on_poison, poison_after=3,
+                      commit_s=0.5)
     await pc.setup()
     for i in range(5):
         await js.publish("t.poison.x", b"ok-%d" % i)
@@ -669,10 +679,12 @@ async def test_poison_message_is_isolated_and_dead_lettered(mstack, mnc):
 
         await wait_for(finished, 30, what="the good messages processed and the poison dead-lettered")
         assert dead == [(b"poison", 3)]
-        info = await js.consumer_info("T_POISON", "t-poison")
-        await asyncio.sleep(0.5)
-        info = await js.consumer_info("T_POISON", "t-poison")
-        assert info.num_ack_pending == 0 and info.num_pending == 0
+
+        async def all_acked():  # the good ones are acked at the next commit (0.5 s)
+            info = await js.consumer_info("T_POISON", "t-poison")
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await wait_for(all_acked, 10, what="every message acked")
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

@@ -30,8 +30,10 @@ def main(
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     workers: int = typer.Option(1, min=1, max=64, help="concurrent fetch/insert loops on the audit stream"),
     batch: int = typer.Option(256, min=1, max=10_000, help="messages per fetch"),
-    ack_wait_s: float = typer.Option(30.0, help="redeliver a batch not acked within this time (e.g. after a crash)"),
-    linger_ms: float = typer.Option(100.0, help="start at most one batch per this many ms per worker (fewer, larger inserts under load)"),
+    ack_wait_s: float = typer.Option(30.0, help="redeliver a batch not acked within this time (e.g. after a crash); "
+                                                "at least 4 x commit interval + 3 s"),
+    commit_ms: float = typer.Option(1000.0, min=0, help="store what was fetched into ClickHouse (and ack it) once per this many ms "
+                                                        "per worker; rules and alerts do not wait for it (0: every fetch)"),
     alert_window_s: float = typer.Option(30.0, help="at most one alert per (rule, sandbox) per this many seconds"),
     protected_path: list[str] = typer.Option([], help="paths protected in every sandbox (alert on any access)"),
     canary: list[str] = typer.Option([], help="decoy paths in every sandbox (alert on any read)"),
@@ -46,7 +48,7 @@ def main(
     gc.set_threshold(50_000, 20, 100)
     dsn = clickhouse or os.environ.get("CORRAL_CLICKHOUSE") or f"chdb://{os.path.abspath(config.state_dir(state_dir))}/monitor.db"
     cfg = MonitorConfig(nats_url=config.nats_url(nats), clickhouse=dsn, database=database, metrics_host=metrics_host,
-                        metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, linger_ms=linger_ms, alert_window_s=alert_window_s,
+                        metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, commit_ms=commit_ms, alert_window_s=alert_window_s,
                         protected_paths=protected_path, canaries=canary, ttl_days=ttl_days, rules=rule, fault=fault)
 
     async def run() -> None:

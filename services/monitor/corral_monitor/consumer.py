@@ -1,14 +1,17 @@
 """Durable JetStream pull consumers that batch the audit stream (CORRAL_AUDIT) and the lifecycle
 stream (CORRAL_EVENTS) into ClickHouse.
 
-For each fetched batch (a worker starts at most one per `linger_s`; what arrives meanwhile joins
-it): decode (malformed messages, and malformed events inside an otherwise good batch, are counted
-and dead-lettered to `corral.monitor.deadletter`, then acked: never fatal), drop duplicates, run
-the detection rules and publish their alerts, insert the events, store the alerts, and only then
-ack. A crash anywhere before the ack means JetStream
-redelivers the batch; a redelivered message (`num_delivered > 1`) has its ids checked against each
-table before inserting, so a row is never stored twice, and alert ids are deterministic, so an
-alert is not stored twice and JetStream drops its re-publication.
+Each fetched batch is *staged* at once: decoded (malformed messages, and malformed events inside
+an otherwise good batch, are counted and dead-lettered to `corral.monitor.deadletter`, then acked:
+never fatal), deduplicated, and run through the detection rules, whose alerts are published right
+away. What was staged is *committed* once per `commit_s` (one insert per table, however many
+fetches it holds: every ClickHouse insert costs 15-30 ms of CPU whatever its size, and on a small
+node that CPU is taken from the sandboxes' execs), then the alerts are stored, and only then are
+the messages acked. A crash anywhere before the ack means JetStream redelivers them; a redelivered
+message (`num_delivered > 1`) has its ids checked against each table before inserting, so a row is
+never stored twice, and alert ids are deterministic, so an alert is not stored twice and JetStream
+drops its re-publication. The consumer's ack wait must be well above `commit_s` (the service
+enforces it).
 
 A message that keeps failing for a reason other than an outage is retried alone and, after
 `poison_after` deliveries, dead-lettered (reason "unprocessable") so it cannot block the stream."""
@@ -46,8 +49,10 @@ DUPLICATES = metrics.counter("corral_monitor_duplicates_total", "Events dropped 
 MALFORMED = metrics.counter("corral_monitor_malformed_total", "Malformed messages or events (dead-lettered)", ("stream", "reason"))
 DEADLETTERED = metrics.counter("corral_monitor_deadlettered_total", "Messages published to the dead-letter stream", ("stream",))
 BATCH_FAILURES = metrics.counter("corral_monitor_batch_failures_total", "Batches that failed and will be redelivered", ("stream",))
-BATCH_SECONDS = metrics.histogram("corral_monitor_batch_seconds", "Time to process one fetched batch", ("stream",),
+BATCH_SECONDS = metrics.histogram("corral_monitor_batch_seconds", "Time to stage one fetched batch (decode, dedup, rules)", ("stream",),
                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+COMMIT_SECONDS = metrics.histogram("corral_monitor_commit_seconds", "Time to store what was staged since the last commit", ("stream",),
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 INSERT_SECONDS = metrics.histogram("corral_monitor_insert_seconds", "ClickHouse insert time", ("table",),
                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 PENDING = metrics.gauge("corral_monitor_pending_messages", "Messages in the stream not yet delivered to the monitor", ("stream",))
@@ -137,20 +142,67 @@ def _transient(e: BaseException) -> bool:
 Handler = Callable[[list[Msg]], Awaitable[None]]
 
 
+class Staged:
+    """A handler in two steps: `stage(msgs, pending)` does the per-fetch work (decode, dedup,
+    rules) and adds what is to be stored to `pending`, changing nothing else if it raises;
+    `commit(pending)` stores it; `abandon(pending)` forgets a pending that failed to commit (its
+    messages are redelivered)."""
+
+    def new_pending(self) -> Any:
+        raise NotImplementedError
+
+    async def stage(self, msgs: list[Msg], pending: Any) -> None:
+        raise NotImplementedError
+
+    async def commit(self, pending: Any) -> None:
+        raise NotImplementedError
+
+    def abandon(self, pending: Any) -> None:
+        pass
+
+    async def __call__(self, msgs: list[Msg]) -> None:
+        p = self.new_pending()
+        await self.stage(msgs, p)
+        try:
+            await self.commit(p)
+        except Exception:
+            self.abandon(p)
+            raise
+
+
+class _Whole(Staged):
+    """A plain handler: all its work is done when a batch is staged; the ack waits for the commit."""
+
+    def __init__(self, fn: Handler):
+        self.fn = fn
+
+    def new_pending(self) -> None:
+        return None
+
+    async def stage(self, msgs: list[Msg], pending: Any) -> None:
+        await self.fn(msgs)
+
+    async def commit(self, pending: Any) -> None:
+        pass
+
+
 class PullConsumer:
-    """`workers` concurrent fetch loops on one durable pull consumer; a batch is acked only after
-    `handler` returned; if it raises, the batch is nak'ed with a delay and redelivered."""
+    """`workers` concurrent fetch loops on one durable pull consumer. Each fetched batch is staged
+    by `handler` at once; what was staged is committed once per `commit_s` and its messages are
+    acked only after that; if staging or the commit raises, the messages are nak'ed with a delay
+    and redelivered (or, for a failure that is not an outage, retried one by one). A plain
+    async function as `handler` does all its work when a batch is staged."""
 
     def __init__(self, js: JetStreamContext, stream: str, durable: str, subject: str, handler: Handler, *,
                  batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
                  fetch_timeout_s: float = 1.0, inflight_bytes: int = 24 * 1024 * 1024,
                  on_poison: Callable[[Msg, str], Awaitable[None]] | None = None, poison_after: int = 5,
-                 linger_s: float = 0.1, linger_bytes: int = 4 * 1024 * 1024):
+                 commit_s: float = 0.0, commit_bytes: int = 32 * 1024 * 1024):
         self.js = js
         self.stream = stream
         self.durable = durable
         self.subject = subject
-        self.handler = handler
+        self.handler = handler if isinstance(handler, Staged) else _Whole(handler)
         self.batch = batch
         self.workers = workers
         self.ack_wait_s = ack_wait_s
@@ -159,8 +211,8 @@ class PullConsumer:
         self.inflight_bytes = inflight_bytes
         self.on_poison = on_poison
         self.poison_after = poison_after
-        self.linger_s = linger_s
-        self.linger_bytes = linger_bytes
+        self.commit_s = commit_s
+        self.commit_bytes = commit_bytes
         self.avg_size = 64 * 1024.0  # a node-agent batch of 256 exec events
         self.subs: list[Any] = []
 
@@ -186,71 +238,92 @@ class PullConsumer:
         return max(1, min(self.batch, int(per_worker / max(1.0, self.avg_size))))
 
     async def _work(self, sub: Any, stop: asyncio.Event) -> None:
-        backoff = 0.1
-        last_start = 0.0
+        """Fetch and stage batches; commit what is staged once per `commit_s` (or when it holds
+        `commit_bytes`), then ack it. With `commit_s` 0 every fetch is committed on its own. A
+        commit runs beside the fetching and staging of the next batches (at most one per
+        worker at a time, in order)."""
+        loop = asyncio.get_running_loop()
+        h = self.handler
+        self.backoff = 0.1
+        pending = h.new_pending()
+        held: list[Msg] = []
+        held_bytes = 0
+        due = 0.0
+        committing: asyncio.Task | None = None
         while not stop.is_set():
+            timeout = self.fetch_timeout_s
+            if held:
+                timeout = min(timeout, max(0.001, due - loop.time()))
+            msgs: list[Msg] = []
             try:
-                msgs = await sub.fetch(self._fetch_size(), timeout=self.fetch_timeout_s)
+                msgs = await sub.fetch(self._fetch_size(), timeout=timeout)
             except (TimeoutError, asyncio.TimeoutError, NatsTimeout, FetchTimeoutError):
-                continue
+                pass
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.warning("fetch failed", extra={"fields": {"stream": self.stream, "error": repr(e)}})
                 await asyncio.sleep(0.5)
-                continue
-            if not msgs:
-                continue
-            if self.linger_s > 0:
-                msgs = await self._linger(sub, msgs, last_start)
-                last_start = asyncio.get_running_loop().time()
-            size = sum(len(m.data) for m in msgs) / len(msgs)
-            self.avg_size = max(size, 0.8 * self.avg_size + 0.2 * size)
-            try:
-                PENDING.labels(self.stream).set(msgs[-1].metadata.num_pending)
-            except Exception:
-                pass
-            t0 = time.perf_counter()
-            try:
-                await self.handler(msgs)
-            except Exception as e:
-                BATCH_FAILURES.labels(self.stream).inc()
-                log.exception("batch failed", extra={"fields": {"stream": self.stream, "messages": len(msgs), "error": repr(e)}})
-                if _transient(e):
-                    await self._nak_all(msgs, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+            if msgs:
+                nbytes = sum(len(m.data) for m in msgs)
+                size = nbytes / len(msgs)
+                self.avg_size = max(size, 0.8 * self.avg_size + 0.2 * size)
+                try:
+                    PENDING.labels(self.stream).set(msgs[-1].metadata.num_pending)
+                except Exception:
+                    pass
+                t0 = time.perf_counter()
+                try:
+                    await h.stage(msgs, pending)
+                except Exception as e:
+                    await self._failed(msgs, e)
                 else:
-                    await self._one_by_one(msgs, backoff)
-                continue
-            backoff = 0.1
-            await self._ack_all(msgs)
-            BATCH_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
+                    BATCH_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
+                    if not held:
+                        due = loop.time() + self.commit_s
+                    held.extend(msgs)
+                    held_bytes += nbytes
+            if held and (loop.time() >= due or held_bytes >= self.commit_bytes):
+                if committing is not None:
+                    await committing
+                committing = asyncio.create_task(self._commit(pending, held))
+                pending, held, held_bytes = h.new_pending(), [], 0
+        if committing is not None:
+            await committing
+        if held:  # stopping: store and ack what was staged
+            await self._commit(pending, held)
 
-    async def _linger(self, sub: Any, msgs: list[Msg], last_start: float) -> list[Msg]:
-        """Every insert costs a few milliseconds whatever its size, so a stream of small messages
-        must not become a stream of tiny inserts: a worker starts at most one batch per `linger_s`
-        and, until then, keeps collecting (up to `linger_bytes`). After a quiet spell the first
-        message is processed at once, so a lone misbehaviour is not delayed."""
-        loop = asyncio.get_running_loop()
-        deadline = last_start + self.linger_s
-        want = self._fetch_size()
-        nbytes = sum(len(m.data) for m in msgs)
-        while len(msgs) < want and nbytes < self.linger_bytes:
-            remaining = deadline - loop.time()
-            if remaining < 0.005:
-                break
-            try:
-                more = await sub.fetch(want - len(msgs), timeout=remaining)
-            except (TimeoutError, asyncio.TimeoutError, NatsTimeout, FetchTimeoutError):
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                break
-            msgs.extend(more)
-            nbytes += sum(len(m.data) for m in more)
-        return msgs
+    async def _commit(self, pending: Any, held: list[Msg]) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.handler.commit(pending)
+        except Exception as e:
+            self.handler.abandon(pending)
+            await self._failed(held, e)
+            return
+        COMMIT_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
+        self.backoff = 0.1
+        await self._ack_all(held)
+
+    async def _failed(self, msgs: list[Msg], e: Exception) -> None:
+        BATCH_FAILURES.labels(self.stream).inc()
+        log.exception("batch failed", extra={"fields": {"stream": self.stream, "messages": len(msgs), "error": repr(e)}})
+        if _transient(e):
+            await self._nak_all(msgs, self.backoff)
+            await asyncio.sleep(self.backoff)
+            self.backoff = min(self.backoff * 2, 5.0)
+        else:
+            await self._one_by_one(msgs, self.backoff)
+
+    async def _whole(self, msgs: list[Msg]) -> None:
+        """Stage and commit `msgs` on their own."""
+        p = self.handler.new_pending()
+        await self.handler.stage(msgs, p)
+        try:
+            await self.handler.commit(p)
+        except Exception:
+            self.handler.abandon(p)
+            raise
 
     async def _ack_all(self, msgs: list[Msg]) -> None:
         for m in msgs:
@@ -271,7 +344,7 @@ class PullConsumer:
         processed; after `poison_after` deliveries it is dead-lettered instead of blocking the stream."""
         for m in msgs:
             try:
-                await self.handler([m])
+                await self._whole([m])
             except Exception as e:
                 delivered = m.metadata.num_delivered or 1
                 if self.on_poison is not None and delivered >= self.poison_after and not _transient(e):
@@ -335,9 +408,21 @@ def exec_row(ev: AuditEvent) -> ExecRow:
 OnEvents = Callable[[list[AuditEvent], bool], Awaitable[list[Any]]]
 
 
-class AuditIngest:
-    """Handler for CORRAL_AUDIT batches: decode, dedup, `on_events(events, maybe_seen)` (the rules;
-    publishes alerts, returns them), insert, `store_alerts(alerts)`; the batch is acked after."""
+class _AuditPending:
+    __slots__ = ("audit", "exec_repair", "alerts", "ids", "max_ts")
+
+    def __init__(self) -> None:
+        self.audit: list[AuditEvent] = []
+        self.exec_repair: list[AuditEvent] = []
+        self.alerts: list[Any] = []
+        self.ids: list[str] = []
+        self.max_ts = 0.0
+
+
+class AuditIngest(Staged):
+    """Handler for CORRAL_AUDIT: `stage` decodes, dedups and runs `on_events(events, maybe_seen)`
+    (the rules; publishes alerts, returns them) per fetch; `commit` inserts the events and
+    `store_alerts(alerts)`; the messages are acked after the commit."""
 
     stream = "CORRAL_AUDIT"
 
@@ -348,7 +433,11 @@ class AuditIngest:
         self.on_events = on_events
         self.store_alerts = store_alerts
         self.recent = RecentIds()
+        self.inflight: set[str] = set()  # staged, not committed yet (by any worker)
         self.fault = fault or Fault()
+
+    def new_pending(self) -> _AuditPending:
+        return _AuditPending()
 
     async def decode(self, msg: Msg) -> list[AuditEvent]:
         try:  # fast path: the whole batch at once
@@ -375,7 +464,7 @@ class AuditIngest:
                 good.append(ev)
         return good
 
-    async def __call__(self, msgs: list[Msg]) -> None:
+    async def stage(self, msgs: list[Msg], pending: _AuditPending) -> None:
         events: list[AuditEvent] = []
         maybe_seen: set[str] = set()
         for m in msgs:
@@ -383,11 +472,11 @@ class AuditIngest:
             if m.metadata.num_delivered and m.metadata.num_delivered > 1:
                 maybe_seen.update(e.id for e in evs)
             events.extend(evs)
-        # drop repeats within the batch and ones this process stored lately
+        # drop repeats within the batch, ones staged and not committed yet, and ones stored lately
         uniq: dict[str, AuditEvent] = {}
-        recent = self.recent
+        recent, inflight = self.recent, self.inflight
         for e in events:
-            if e.id not in uniq and e.id not in recent:
+            if e.id not in uniq and e.id not in recent and e.id not in inflight:
                 uniq[e.id] = e
         dups = len(events) - len(uniq)
         events = list(uniq.values()) if dups else events
@@ -409,21 +498,36 @@ class AuditIngest:
             if stored_execs:
                 in_exec = await asyncio.to_thread(self.store.existing_ids, "exec_log", stored_execs)
                 exec_repair = [e for e in events if e.id in in_audit and e.kind == "exec" and e.id not in in_exec]
+        # rules now: alerts go out without waiting for the commit (they are stored with it)
+        alerts = await self.on_events(events, bool(maybe_seen)) if self.on_events is not None else []
         if dups:
             DUPLICATES.labels(self.stream).inc(dups)
-        # rules first: alerts go out without waiting for the insert (stored after it)
-        alerts = await self.on_events(events, bool(maybe_seen)) if self.on_events is not None else []
-        if exec_repair:
-            await self._insert("exec_log", [exec_row(e) for e in exec_repair])
-        if audit_new:
-            await self._insert("audit_events", audit_new)
-            ROWS.labels("exec_log").inc(sum(1 for e in audit_new if e.kind == "exec"))
+        ids = [e.id for e in events]
+        pending.audit.extend(audit_new)
+        pending.exec_repair.extend(exec_repair)
+        if alerts:
+            pending.alerts.extend(alerts)
+        pending.ids.extend(ids)
+        pending.max_ts = max(pending.max_ts, max(e.ts for e in events))
+        inflight.update(ids)
+
+    async def commit(self, pending: _AuditPending) -> None:
+        if pending.exec_repair:
+            await self._insert("exec_log", [exec_row(e) for e in pending.exec_repair])
+        if pending.audit:
+            await self._insert("audit_events", pending.audit)
+            ROWS.labels("exec_log").inc(sum(1 for e in pending.audit if e.kind == "exec"))
             self.fault.hit("crash-after-insert")
-        if alerts and self.store_alerts is not None:
-            await self.store_alerts(alerts)
-        recent.add_all([e.id for e in events])
-        EVENTS.labels(self.stream).inc(len(audit_new))
-        LAG.labels(self.stream).set(max(0.0, time.time() - max(e.ts for e in events)))
+        if pending.alerts and self.store_alerts is not None:
+            await self.store_alerts(pending.alerts)
+        self.recent.add_all(pending.ids)
+        self.inflight.difference_update(pending.ids)
+        EVENTS.labels(self.stream).inc(len(pending.audit))
+        if pending.ids:
+            LAG.labels(self.stream).set(max(0.0, time.time() - pending.max_ts))
+
+    def abandon(self, pending: _AuditPending) -> None:
+        self.inflight.difference_update(pending.ids)
 
     async def _insert(self, table: str, rows: list) -> None:
         t0 = time.perf_counter()
@@ -464,9 +568,18 @@ _json = msgspec.json.Encoder()
 OnLifecycle = Callable[[list[SandboxEventRow], list[_Event]], None]
 
 
-class EventIngest:
+class _EventPending:
+    __slots__ = ("rows", "ids")
+
+    def __init__(self) -> None:
+        self.rows: list[SandboxEventRow] = []
+        self.ids: list[str] = []
+
+
+class EventIngest(Staged):
     """Handler for CORRAL_EVENTS: sandbox lifecycle (`corral.events.sandbox.<id>.<kind>`) and node
-    events (`corral.events.node.<node>.<kind>`). Ids are a hash of subject and payload."""
+    events (`corral.events.node.<node>.<kind>`). Ids are a hash of subject and payload.
+    `on_lifecycle` sees each fetch when it is staged; the rows are inserted at the commit."""
 
     stream = "CORRAL_EVENTS"
 
@@ -475,8 +588,12 @@ class EventIngest:
         self.dead = dead
         self.on_lifecycle = on_lifecycle
         self.recent = RecentIds(100_000)
+        self.inflight: set[str] = set()
 
-    async def __call__(self, msgs: list[Msg]) -> None:
+    def new_pending(self) -> _EventPending:
+        return _EventPending()
+
+    async def stage(self, msgs: list[Msg], pending: _EventPending) -> None:
         rows: list[SandboxEventRow] = []
         evs: list[_Event] = []
         maybe_seen: set[str] = set()
@@ -511,18 +628,33 @@ class EventIngest:
             evs.append(ev)
             if m.metadata.num_delivered and m.metadata.num_delivered > 1:
                 maybe_seen.add(rid)
-        fresh = [r for r in rows if r.id not in self.recent]
+        seen: set[str] = set()
+        fresh: list[SandboxEventRow] = []
+        for r in rows:
+            if r.id not in seen and r.id not in self.recent and r.id not in self.inflight:
+                seen.add(r.id)
+                fresh.append(r)
         if maybe_seen and fresh:
             have = await asyncio.to_thread(self.store.existing_ids, "sandbox_events", [r.id for r in fresh if r.id in maybe_seen])
             fresh = [r for r in fresh if r.id not in have]
-        if len(fresh) < len(rows):
-            DUPLICATES.labels(self.stream).inc(len(rows) - len(fresh))
-        if fresh:
-            t0 = time.perf_counter()
-            await asyncio.to_thread(self.store.insert, "sandbox_events", fresh)
-            INSERT_SECONDS.labels("sandbox_events").observe(time.perf_counter() - t0)
-            ROWS.labels("sandbox_events").inc(len(fresh))
-            EVENTS.labels(self.stream).inc(len(fresh))
-        self.recent.add_all([r.id for r in rows])
         if self.on_lifecycle is not None and rows:
             self.on_lifecycle(rows, evs)
+        if len(fresh) < len(rows):
+            DUPLICATES.labels(self.stream).inc(len(rows) - len(fresh))
+        ids = list(seen)
+        pending.rows.extend(fresh)
+        pending.ids.extend(ids)
+        self.inflight.update(ids)
+
+    async def commit(self, pending: _EventPending) -> None:
+        if pending.rows:
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.store.insert, "sandbox_events", pending.rows)
+            INSERT_SECONDS.labels("sandbox_events").observe(time.perf_counter() - t0)
+            ROWS.labels("sandbox_events").inc(len(pending.rows))
+            EVENTS.labels(self.stream).inc(len(pending.rows))
+        self.recent.add_all(pending.ids)
+        self.inflight.difference_update(pending.ids)
+
+    def abandon(self, pending: _EventPending) -> None:
+        self.inflight.difference_update(pending.ids)

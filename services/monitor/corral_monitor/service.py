@@ -38,7 +38,7 @@ class MonitorConfig(msgspec.Struct, kw_only=True):
     workers: int = 1
     batch: int = 256
     ack_wait_s: float = 30.0
-    linger_ms: float = 100.0
+    commit_ms: float = 1000.0
     alert_window_s: float = 30.0
     protected_paths: list[str] = []
     canaries: list[str] = []
@@ -73,13 +73,17 @@ class Monitor:
         restored = await asyncio.to_thread(alerts.restore)
         ctx = rulereg.RuleContext(cfg.protected_paths, cfg.canaries)
         detector = Detector(rulereg.build(ctx, cfg.rules or None), rulereg.build_sql(cfg.rules or None), alerts, store, ctx)
+        commit_s = max(0.0, cfg.commit_ms / 1000)
+        ack_wait_s = max(cfg.ack_wait_s, min_ack_wait(commit_s))
+        if ack_wait_s > cfg.ack_wait_s:
+            logs.kv(log, logging.WARNING, "ack wait raised above the commit interval", ack_wait_s=ack_wait_s, commit_ms=cfg.commit_ms)
         audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, "corral.audit.>",
                              AuditIngest(store, dead, detector.on_events, Fault(cfg.fault), detector.store_alerts),
-                             batch=cfg.batch, workers=cfg.workers, ack_wait_s=cfg.ack_wait_s, linger_s=cfg.linger_ms / 1000,
+                             batch=cfg.batch, workers=cfg.workers, ack_wait_s=ack_wait_s, commit_s=commit_s,
                              on_poison=lambda m, err: dead.put("CORRAL_AUDIT", m, m.data, "unprocessable", err))
         events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, "corral.events.>",
                               EventIngest(store, dead, detector.on_lifecycle), batch=cfg.batch, workers=1,
-                              ack_wait_s=cfg.ack_wait_s, linger_s=cfg.linger_ms / 1000,
+                              ack_wait_s=ack_wait_s, commit_s=commit_s,
                               on_poison=lambda m, err: dead.put("CORRAL_EVENTS", m, m.data, "unprocessable", err))
         await audit.setup()
         await events.setup()
@@ -116,6 +120,12 @@ class Monitor:
 
     async def _on_rules(self, msg: Msg) -> bytes:
         return ok(rules=rulereg.describe())
+
+
+def min_ack_wait(commit_s: float) -> float:
+    """A message waits up to `commit_s` for its commit, then for the insert itself (seconds on a
+    loaded node): JetStream must not redeliver it meanwhile."""
+    return 4 * commit_s + 3.0
 
 
 def _safe_dsn(dsn: str) -> str:

@@ -66,6 +66,7 @@ DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to d
 FILE_ACTIVITY_MODE = metrics.counter("corral_file_activity_watches_total", "Sandbox roots watched for file activity, by fanotify mode",
                                      ("node", "mode"))
 EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
+LIMITS_DELAY_S = 0.2  # OOM kills / pids-limit hits are looked for this long after an exec ends
 
 
 class AgentConfig(msgspec.Struct, kw_only=True):
@@ -140,6 +141,10 @@ class NodeAgent:
         self.inflight: dict[str, dict[object, str]] = {}  # sandbox -> commands being executed (file-event context)
         self.limits: dict[str, tuple[int, int]] = {}  # sandbox -> (OOM kills, pids-limit hits) already reported
         self.run_infos: dict[str, SandboxInfo] = {}  # one-shot runs whose command is running (job, labels of their events)
+        # sandbox -> (sandbox, substrate, commands) of execs that ended lately: their limits are
+        # checked together LIMITS_DELAY_S later, off the exec path (or at destroy, if sooner)
+        self.limits_due: dict[str, tuple[Sandbox, Substrate, list[str]]] = {}
+        self.limits_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ start / stop
 
@@ -215,6 +220,9 @@ class NodeAgent:
             self.files_audit.close()
         if self.activity is not None:
             self.activity.close()
+        if self.limits_timer is not None:  # kept sandboxes: their last execs' limits, now
+            self.limits_timer.cancel()
+            self._check_due_limits()
         await self.audit.close()
         try:
             await self.nc.drain()
@@ -358,9 +366,12 @@ class NodeAgent:
             return
         ooms, hits, limit = now
         prev = self.limits.get(sb.id)
-        self.limits[sb.id] = (ooms, hits)
         if prev is None:
+            self.limits[sb.id] = (ooms, hits)
             return
+        # the counters only grow; a reading older than the last one reported (the heartbeat poll
+        # reads on its thread while a deferred check reports on the loop) must not lower the mark
+        self.limits[sb.id] = (max(ooms, prev[0]), max(hits, prev[1]))
         extra = {"cmd": cmd[:200]} if cmd else {}
         if ooms > prev[0]:
             self.audit.emit(AuditEvent(**self._audit_base(sb.id), kind="oom", op="oom_kill",
@@ -368,6 +379,31 @@ class NodeAgent:
         if hits > prev[1]:
             self.audit.emit(AuditEvent(**self._audit_base(sb.id), kind="pids", op="pids_limit",
                                        detail={"hits": str(hits - prev[1]), "limit": limit, **extra}))
+
+    def _defer_limits(self, sb: Sandbox, sub: Substrate, cmd: str) -> None:
+        """Check the sandbox's limits LIMITS_DELAY_S after this exec ended, once for every exec
+        that ended meanwhile (three cgroup reads per sandbox, not per exec, and not before the
+        reply)."""
+        due = self.limits_due.get(sb.id)
+        if due is None:
+            self.limits_due[sb.id] = (sb, sub, [cmd])
+        elif len(due[2]) < 8 and cmd not in due[2]:
+            due[2].append(cmd)
+        if self.limits_timer is None:
+            self.limits_timer = asyncio.get_running_loop().call_later(LIMITS_DELAY_S, self._check_due_limits)
+
+    def _check_due_limits(self) -> None:
+        self.limits_timer = None
+        due, self.limits_due = self.limits_due, {}
+        for sid, (sb, sub, cmds) in due.items():
+            if sid in self.sandboxes and sid not in self.destroying:
+                self._check_limits(sb, sub, "; ".join(cmds))
+
+    def _flush_limits(self, sid: str) -> None:
+        """The deferred check of a sandbox about to go (what its last execs ran into is reported)."""
+        due = self.limits_due.pop(sid, None)
+        if due is not None:
+            self._check_limits(due[0], due[1], "; ".join(due[2]))
 
     def _unwatch_activity(self, sid: str) -> None:
         if self.activity is not None:
@@ -755,14 +791,8 @@ class NodeAgent:
             stderr_bytes=len(result.stderr), timed_out=result.timed_out,
             detail={"oom_killed": "1"} if result.oom_killed else {},
         ))
-        if self.cfg.audit:  # after the reply is on its way: cgroup reads are not the caller's wait
-            cmd = req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
-
-            def check() -> None:
-                if sb.id in self.sandboxes and sb.id not in self.destroying:
-                    self._check_limits(sb, sub, cmd)
-
-            asyncio.get_running_loop().call_soon(check)
+        if self.cfg.audit:  # later, with the other execs that end meanwhile: not the caller's wait
+            self._defer_limits(sb, sub, req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd))
         if req.trajectory and req.step is not None:
             meta = await self.traj.record(req, sb.id, self.node, result)
             if meta is not None and self.traj.snapshot_due(meta, req.step):
@@ -876,6 +906,9 @@ class NodeAgent:
             if self.seccomp is not None:
                 self.seccomp.unregister(sid)
             self._unwatch_activity(sid)
+            if self.cfg.audit:
+                self._flush_limits(sid)
+            self.limits_due.pop(sid, None)
             self.limits.pop(sid, None)
             self.inflight.pop(sid, None)
             if self.files_audit is not None:

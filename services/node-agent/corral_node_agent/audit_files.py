@@ -18,7 +18,10 @@ sandbox root:
 
 A busy sandbox must not flood the bus: repeats of the same (op, file) within `window_s` are
 coalesced into the first (open, exec, write and close_write only: creates, unlinks and renames are
-each reported), and a token bucket per sandbox (`rate` events/s, `burst`) drops the rest. Drops are
+each reported); a FID-mode record whose raw bytes (mask, fsid, directory handle, name) repeat one
+that was coalesced is skipped before it is decoded while its key is still held (the hot case:
+every exec of a sandbox opens the same binaries and libraries; each write() is a modify event),
+and a token bucket per sandbox (`rate` events/s, `burst`) drops the rest. Drops are
 counted (metric) and reported as an audit event (op "dropped", detail.dropped = n) once per second
 while they happen; a kernel queue overflow is reported the same way to every watched sandbox
 (reason "queue_overflow"). Events caused by the node-agent itself (files.write, canary planting) are
@@ -76,6 +79,7 @@ _libc.open_by_handle_at.restype = ctypes.c_int
 EVENTS = metrics.counter("corral_file_activity_events_total", "File activity events reported", ("node", "op"))
 DROPPED = metrics.counter("corral_file_activity_dropped_total", "File activity events dropped (rate limit or kernel queue overflow)",
                           ("node", "reason"))
+SKIPPED_RAW = metrics.counter("corral_file_activity_raw_repeats_total", "FID records skipped undecoded (a repeat of a coalesced one)", ("node",))
 
 # (sandbox id, op, path inside the sandbox, pid, detail)
 Callback = Callable[[str, str, str, int, dict[str, str]], None]
@@ -149,6 +153,11 @@ class FileActivity:
         self.by_dev: dict[int, Watch] = {}
         self.me = os.getpid()
         self.ticker: asyncio.TimerHandle | None = None
+        # raw FID record (mask, info records: fsid, directory handle, name; not the pid) -> (watch,
+        # coalescing key) it was admitted or coalesced under: a repeat while that key is still in
+        # the watch's `seen` would be coalesced, so it is not decoded
+        self.raw_seen: dict[tuple[int, bytes], tuple[Watch, tuple]] = {}
+        self.skipped_raw = SKIPPED_RAW.labels(node)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -307,7 +316,12 @@ class FileActivity:
                     if mask & FAN_Q_OVERFLOW:
                         self._overflow()
                     elif fid:
-                        self._fid_event(buf, off + mlen, off + event_len, mask, pid, now)
+                        record = (mask, buf[off + mlen:off + event_len])
+                        hit = self.raw_seen.get(record)
+                        if hit is None or hit[1] not in hit[0].seen or self.watches.get(hit[0].sid) is not hit[0]:
+                            self._fid_event(buf, off + mlen, off + event_len, mask, pid, now, record)
+                        else:
+                            self.skipped_raw.inc()
                     else:
                         self._fd_event(efd, mask, pid, now)
                 except Exception:
@@ -342,7 +356,7 @@ class FileActivity:
         if self._admit(w, op, (op, path), now):
             self._emit(w, op, path, pid, {})
 
-    def _fid_event(self, buf: bytes, off: int, end: int, mask: int, pid: int, now: float) -> None:
+    def _fid_event(self, buf: bytes, off: int, end: int, mask: int, pid: int, now: float, record: tuple | None = None) -> None:
         if pid == self.me:
             return
         w: Watch | None = None
@@ -399,6 +413,10 @@ class FileActivity:
                 key = (op, ent, pid)  # each git process's ref reads count (git_history rule)
             if self._admit(w, op, key, now):
                 self._emit(w, op, path, pid, {})
+            if record is not None and len(key) == 2 and key in w.seen:  # not the per-pid keys
+                if len(self.raw_seen) >= self.max_seen:
+                    self.raw_seen.clear()
+                self.raw_seen[record] = (w, key)
             return
         if not self._admit(w, op, key, now):
             return

@@ -1,7 +1,9 @@
 """Batches the node's audit events and publishes them to JetStream (`corral.audit.<node>.<sandbox>`).
 
-Sources call `emit()` (cheap, never blocks the exec path); a background task flushes every
-`interval_s` or when a batch is full, waiting for JetStream's ack so that events survive a NATS
+Sources call `emit()` (cheap, never blocks the exec path): the first event into an empty buffer
+arms a timer, and a background task flushes `interval_s` later (or at once when a batch is full),
+so a stream of execs is one publish per sandbox per `interval_s`, not one per event, and an idle
+node does not wake up at all. A flush waits for JetStream's ack so that events survive a NATS
 restart; failed batches are retried as they were, under the same `Nats-Msg-Id` (derived from their
 event ids), so a publish that was stored but whose ack got lost is dropped by JetStream's duplicate
 window instead of stored twice. Only past `max_buffer` are the oldest dropped (counted)."""
@@ -24,7 +26,7 @@ AUDIT_DROPPED = metrics.counter("corral_audit_events_dropped_total", "Audit even
 
 
 class AuditLog:
-    def __init__(self, js: JetStreamContext, node: str, interval_s: float = 0.05, batch: int = 256, max_buffer: int = 200_000):
+    def __init__(self, js: JetStreamContext, node: str, interval_s: float = 0.2, batch: int = 256, max_buffer: int = 200_000):
         self.js = js
         self.node = node
         self.interval_s = interval_s
@@ -33,10 +35,12 @@ class AuditLog:
         self.pending: list[AuditEvent] = []
         self.retry: list[tuple[str, list[AuditEvent]]] = []  # (sandbox, batch) that failed to publish
         self.wake = asyncio.Event()
+        self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task | None = None
         self.enabled = True
 
     def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.task = asyncio.create_task(self._run())
 
     def emit(self, ev: AuditEvent) -> None:
@@ -47,17 +51,31 @@ class AuditLog:
             drop = len(self.pending) - self.max_buffer
             del self.pending[:drop]
             AUDIT_DROPPED.labels(self.node).inc(drop)
+        if self.timer is None or len(self.pending) >= self.batch:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # not on the loop's thread
+                if self.task is not None:
+                    self.loop.call_soon_threadsafe(self._arm)
+                return
+            self._arm()
+
+    def _arm(self) -> None:
         if len(self.pending) >= self.batch:
             self.wake.set()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.interval_s, self.wake.set)
 
     async def _run(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.interval_s)
-            except TimeoutError:
-                pass
+            await self.wake.wait()
             self.wake.clear()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
             await self.flush()
+            if (self.retry or self.pending) and self.timer is None:  # a failed publish, or what came meanwhile
+                self.timer = asyncio.get_running_loop().call_later(self.interval_s, self.wake.set)
 
     async def flush(self) -> None:
         if not self.pending and not self.retry:
@@ -85,6 +103,8 @@ class AuditLog:
             await asyncio.sleep(0.5)
 
     async def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
         if self.task is not None:
             self.task.cancel()
         try:
