@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import msgspec
 import pytest
@@ -231,10 +232,11 @@ async def test_audit_sources_leak_no_fds(client, stack, protected_image):
     assert after <= before, (before, during, after)
 
 
-async def test_adopted_sandbox_after_agent_crash_stays_protected_and_fails_closed():
+async def test_adopted_sandbox_after_agent_crash_stays_protected_and_audited():
     """kill -9 the node-agent: its restart re-marks the adopted sandbox's protected paths from the
-    persisted spec; the seccomp notify fd died with the old agent (runc sends it once, at start), so
-    denied syscalls now fail with ENOSYS, unaudited, instead of running."""
+    persisted spec, and takes the sandbox's seccomp notify fd back from its init (runc sends it
+    once, at start): denied syscalls are refused (EPERM) and audited again, watched ones (kill)
+    work."""
     import signal
 
     from corral_sdk import AsyncClient
@@ -252,6 +254,7 @@ async def test_adopted_sandbox_after_agent_crash_stays_protected_and_fails_close
         agent = stack.proc("node-1").popen
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
+        t_restart = time.time()
         stack.restart("node-1")
         for _ in range(200):
             try:
@@ -260,9 +263,16 @@ async def test_adopted_sandbox_after_agent_crash_stays_protected_and_fails_close
             except Exception:
                 await asyncio.sleep(0.1)
         assert "root:" not in r.stdout and "passwd': Operation not permitted" in r.stderr, (r.stdout, r.stderr)
-        assert "Function not implemented" in r.stderr, r.stderr  # ENOSYS: still denied, no longer audited
+        assert "Function not implemented" not in r.stderr and r.stderr.count("Operation not permitted") == 2, r.stderr
         with pytest.raises(Forbidden):
             await sb.files.read("/etc/passwd")
+        # kill(2) is a watched call (answered through the notify fd): it works after the restart
+        r = await sb.exec("sleep 30 & kill $!; echo rc=$?; wait $!; echo st=$?", timeout_s=10)
+        assert "rc=0" in r.stdout and "st=143" in r.stdout, (r.stdout, r.stderr)
+        # and the denied call after the restart is in the audit stream, under this sandbox
+        async with Watch(c.nc, sb.info.node, sb.id) as w:
+            await w.until(lambda: any(e.syscall == "unshare" and e.ts > t_restart for e in w.of("syscall")),
+                          what="the unshare denied after the restart")
         await sb.destroy()
         await c.close()
     finally:
@@ -294,10 +304,9 @@ async def test_protected_paths_fail_closed_while_the_agent_is_down():
         r = await sb.exec("rm -f /secret/answer.txt; echo rc=$?; mv /secret/answer.txt /tmp/a; echo rc=$?; "
                           "ln /secret/answer.txt /tmp/h; echo rc=$?; rm -rf /hidden; umount /hidden; echo rc=$?")
         assert r.stdout.count("rc=1") == 4, (r.stdout, r.stderr)
-        # a process that reads them as soon as the agent is gone: it notices because kill(2), a
-        # seccomp-notified call, fails (ENOSYS) once the agent's notify fd is closed (then a second
-        # more, for the rest of the dying agent's fds, its fanotify group among them, to close)
-        await sb.exec("(while kill -CONT $$ 2>/dev/null; do sleep 0.1; done; sleep 1; "
+        # a process that reads them as soon as the agent is gone (told so by a file the test
+        # writes into the sandbox once it has killed the agent)
+        await sb.exec("(while [ ! -e /tmp/go ]; do sleep 0.1; done; "
                       "cat /secret/answer.txt /hidden/test_x.py /hidden/sub/deep.txt > /tmp/out 2>&1; "
                       "echo done >> /tmp/out) >/dev/null 2>&1 &")
         agent = stack.proc("node-1").popen
@@ -305,6 +314,8 @@ async def test_protected_paths_fail_closed_while_the_agent_is_down():
         agent.wait()
         sdir = glob.glob(f"{stack.data_dir}/**/sandboxes/{sb.id}", recursive=True)
         assert sdir, "the sandbox's state dir"
+        with open(f"{hostview.root(sdir[0])}/tmp/go", "w"):
+            pass
         out = f"{hostview.rw(sdir[0])}/upper/tmp/out"
         for _ in range(600):  # read from the host: the agent is still down
             if os.path.exists(out) and open(out).read().endswith("done\n"):

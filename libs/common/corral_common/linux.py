@@ -29,6 +29,7 @@ SYS_MOVE_MOUNT = 429
 SYS_FSCONFIG = 431
 SYS_FSPICK = 433
 SYS_OPENAT2 = 437
+SYS_PIDFD_GETFD = 438
 AT_FDCWD = -100
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
@@ -114,6 +115,15 @@ def open_tree_clone(path: str) -> int:
         e = ctypes.get_errno()
         raise OSError(e, f"open_tree {path}: {os.strerror(e)}")
     return fd
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """A copy of another process's fd `fd` (pidfd_getfd(2); close-on-exec)."""
+    got = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"pidfd_getfd {fd}: {os.strerror(e)}")
+    return got
 
 
 def mount_clone(path: str, target: str) -> None:

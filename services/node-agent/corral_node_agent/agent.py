@@ -169,6 +169,7 @@ class NodeAgent:
             sub = cls(self.node, self.state_dir, self.layers)  # type: ignore[call-arg]
             if hasattr(sub, "seccomp_listener") and self.seccomp is not None:
                 sub.seccomp_listener = self.seccomp.path  # type: ignore[attr-defined]
+                sub.seccomp_fds = self.seccomp.fds  # type: ignore[attr-defined]
             sub.run_watcher = self._watch_run
             await sub.start()
             self.substrates[name] = sub
@@ -439,7 +440,14 @@ class NodeAgent:
     async def _reconcile(self) -> None:
         for name, sub in self.substrates.items():
             adopted, report = await sub.reconcile()
+            take = getattr(sub, "take_notify_fd", None)
             for sb in adopted:
+                nfd = take(sb) if take is not None and self.seccomp is not None else None
+                if nfd is not None:
+                    self.seccomp.register(sb.id, nfd)  # its notified calls answered and audited again
+                elif self.seccomp is not None and take is not None:
+                    logs.kv(log, logging.WARNING, "adopted sandbox without a seccomp notify fd: its notified calls fail (ENOSYS), unaudited",
+                            sandbox=sb.id)
                 try:
                     await self._watch_files(sb)
                 except Exception as e:

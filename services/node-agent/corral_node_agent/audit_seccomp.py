@@ -7,11 +7,13 @@ and `listenerMetadata` = the sandbox id. runc connects at container start and se
 and report (sandbox id, host pid, syscall name, detail) to a callback, which the agent turns into
 an AuditEvent of kind "syscall".
 
-Failure modes: if the agent (and so this listener) dies, the notify fds close and the kernel fails
-every notified call with ENOSYS: the sandbox keeps running, the denied calls stay denied, but they
-are no longer recorded. An agent that restarts and adopts live sandboxes cannot get their notify
-fds back (runc sends them once, at start): for those sandboxes denied calls fail with ENOSYS and
-are not audited until the sandbox is recreated. Fails closed, never open.
+Failure modes: runc sends a sandbox's notify fd once, at start; the container substrate hands a
+copy to the sandbox's init to hold (fd 6, unreachable from inside: init is non-dumpable). While the
+agent is down, notified calls of its sandboxes wait (nothing answers them, nothing runs them); an
+agent that restarts and adopts a sandbox takes the fd back from its init (pidfd_getfd) and answers,
+audits and continues them as before. A sandbox whose init holds none (its notify fd never reached
+the listener) fails every notified call with ENOSYS, unaudited, until it is recreated. Fails
+closed, never open.
 
 Watched calls (oci.WATCHED_SYSCALLS) are observed, not denied: connect/sendto (the destination is
 read from the caller's memory through /proc/<pid>/mem while it waits) and kill/tkill/tgkill/
@@ -21,8 +23,7 @@ they fail with ENETUNREACH, the sandbox has only `lo`, but the attempt is the ev
 to processes outside the caller's exec (another exec's cgroup, or pid 1 = corral-init; kind
 "signal"). Signals to init are denied (EPERM). The argument is read before the kernel re-reads it,
 so a racing thread could change it in between: the record is best effort, the isolation (no
-network, init protected by the pid namespace) does not depend on it. After an agent restart these
-calls, like the denied ones, fail with ENOSYS in adopted sandboxes (their notify fd is gone). The
+network, init protected by the pid namespace) does not depend on it. The
 same calls through the i386 or x32 ABI continue uninspected (not recorded); sendmsg/sendmmsg and
 io_uring are not watched."""
 from __future__ import annotations

@@ -87,6 +87,26 @@ async def ping(ctl_path: str, timeout: float = 30.0) -> None:
         raise InitError("sandbox helper gave an unexpected ping reply")
 
 
+async def hold(ctl_path: str, fd: int, timeout: float = 10.0) -> None:
+    """Have the sandbox's init keep `fd` (its seccomp notify fd) as fd 6, where a restarted
+    node-agent takes it back from (pidfd_getfd)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, ctl_path)
+            await _sendmsg(loop, sock, struct.pack("<I", 2), [fd])
+            await loop.sock_sendall(sock, b"2\x00")
+            buf = await recv_exactly(sock, 4, "sandbox helper")
+    except (OSError, TimeoutError) as e:
+        raise InitError(f"sandbox helper did not take the fd: {e!r}") from e
+    finally:
+        sock.close()
+    if struct.unpack("<I", buf)[0] != 1:
+        raise InitError("sandbox helper could not keep the fd")
+
+
 async def _sendmsg(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, fds: list[int]) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     while True:

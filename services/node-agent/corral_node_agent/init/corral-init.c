@@ -9,14 +9,18 @@
  * fds: 3 is the listening socket (its path lives on the host, outside the sandbox's mount
  * namespace); 4 and 5 are detached clones of the sandbox's tmpfs and root filesystem, which init
  * only holds so the node-agent can reach them as /proc/<init>/fd/4|5 (the host keeps no mount per
- * sandbox). All three come from `runc run --preserve-fds 3`; none reaches an exec'd child.
+ * sandbox). All three come from `runc run --preserve-fds 3`. Fd 6 is the sandbox's seccomp notify
+ * fd, which the node-agent hands over with a "hold" request: runc sends it to the agent once, at
+ * start, so an agent that restarts takes it back from here (pidfd_getfd) and keeps answering (and
+ * auditing) the notified calls of the sandboxes it adopts. None of them reaches an exec'd child.
  *
  * Protocol (the node-agent is the only peer):
  *   request:  u32 little-endian payload length, then the payload, with SCM_RIGHTS fds on the first
  *             byte: [stdin, stdout, stderr, cgroup.procs fds...]. Payload is NUL-terminated tokens:
  *             "1", argc, argv..., envc, env..., cwd, ncgroup.
  *             A payload of just "1", "0" (argc 0, no fds) is a ping: the reply is u32 1, so the
- *             node-agent knows init has exec'd and serves requests.
+ *             node-agent knows init has exec'd and serves requests. A payload of just "2" with
+ *             one fd is a hold (see fd 6 above): the reply is u32 1 once it is kept.
  *   replies:  u32 pid (as seen inside the sandbox) once the child is forked, or 0 on failure;
  *             then i32 wait status when the child exits; then the connection is closed.
  * The child moves itself into the per-exec cgroups by writing "0" to the cgroup.procs fds the
@@ -41,6 +45,7 @@
 
 #define LISTEN_FD 3
 #define HELD_FD_LAST 5 /* the tmpfs and root clones (4, 5) */
+#define NOTIFY_FD 6
 #define MAX_FDS 16
 #define MAX_PAYLOAD (4 * 1024 * 1024)
 
@@ -116,6 +121,15 @@ static void spawn(int conn) {
         close(conn);
         return;
     }
+    if (nfds == 1 && len == 2 && memcmp(payload, "2\0", 2) == 0) {
+        /* hold: keep this fd (the sandbox's seccomp notify fd) as NOTIFY_FD, replacing any */
+        int ok = dup3(fds[0], NOTIFY_FD, O_CLOEXEC) == NOTIFY_FD;
+        close(fds[0]);
+        free(payload);
+        reply_u32(conn, ok ? 1 : 0);
+        close(conn);
+        return;
+    }
     if (nfds < 3) goto fail;
     /* tokenise */
     char *p = payload, *end = payload + len;
@@ -180,6 +194,9 @@ int main(void) {
     /* keep /proc/1/fd and /proc/1/mem out of reach of the sandbox's own (capability-less) root */
     prctl(PR_SET_DUMPABLE, 0);
     for (int fd = LISTEN_FD; fd <= HELD_FD_LAST; fd++) fcntl(fd, F_SETFD, FD_CLOEXEC);
+    /* a placeholder keeps NOTIFY_FD's number from the fds opened below (a hold replaces it) */
+    int ph = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (ph < 0 || (ph != NOTIFY_FD && (dup3(ph, NOTIFY_FD, O_CLOEXEC) != NOTIFY_FD || close(ph) != 0))) return 111;
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);

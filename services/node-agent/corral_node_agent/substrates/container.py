@@ -72,6 +72,8 @@ WARM_PREFIX = "wp-"
 #: the fds corral-init holds: 3 is its control socket, then the sandbox's tmpfs and its root
 INIT_RW_FD = 4
 INIT_ROOT_FD = 5
+#: and, handed over after start, its seccomp notify fd (see _hand_notify_fd)
+INIT_NOTIFY_FD = 6
 #: what a warm-pool sandbox is built with; a claim rewrites limits, disk size and workdir
 WARM_SPEC = SandboxSpec(image="busybox", cpu=1.0, memory_mb=256, disk_mb=1024, pids_max=1024)
 
@@ -106,6 +108,8 @@ class ContainerSubstrate(Substrate):
     #: the node-agent's seccomp-notify socket (audit_seccomp.py), set by the agent before create:
     #: denied syscalls are then SCMP_ACT_NOTIFY and audited; None keeps them SCMP_ACT_ERRNO
     seccomp_listener: str | None = None
+    #: that listener's notify fds by sandbox id: each sandbox's init is given its own to hold
+    seccomp_fds: dict[str, int] | None = None
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc"):
         self.node = node
@@ -202,11 +206,50 @@ class ContainerSubstrate(Substrate):
             await initclient.ping(f"{sdir}/ctl.sock")
         except initclient.InitError as e:
             raise Internal(f"sandbox {sid} started but its init does not answer: {e}") from None
+        await self._hand_notify_fd(sid, f"{sdir}/ctl.sock")
         if spec.cpu < STARTUP_CPU:
             cg.set_cpu(spec.cpu)
         sb = ContainerSandbox(info, spec, sdir, cg, init_pid, layers)
         self._persist(sb)
         return sb
+
+    async def _hand_notify_fd(self, sid: str, ctl: str) -> None:
+        """Give the sandbox's init a copy of its seccomp notify fd to hold (INIT_NOTIFY_FD): runc
+        sends it to the listener once, at start, and a restarted agent takes it back from init
+        (take_notify_fd), so adopted sandboxes keep their watched and denied calls answered and
+        audited. Without it they would fail every notified call (kill, connect) with ENOSYS."""
+        if self.seccomp_listener is None or self.seccomp_fds is None:
+            return
+        # runc sent the fd before init started; the listener may not have read it yet
+        for _ in range(200):
+            nfd = self.seccomp_fds.get(sid)
+            if nfd is not None:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            log.warning("no seccomp notify fd to hand to init", extra={"fields": {"sandbox": sid}})
+            return
+        try:
+            await initclient.hold(ctl, nfd)
+        except initclient.InitError as e:
+            raise Internal(f"sandbox {sid}: its init did not take its seccomp notify fd: {e}") from None
+
+    def take_notify_fd(self, sb: Sandbox) -> int | None:
+        """The seccomp notify fd an adopted sandbox's init holds (None: it holds none)."""
+        assert isinstance(sb, ContainerSandbox)
+        if sb.pidfd is None:
+            return None
+        try:
+            fd = linux.pidfd_getfd(sb.pidfd, INIT_NOTIFY_FD)
+        except OSError:
+            return None
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:seccomp notify":
+                return fd
+        except OSError:
+            pass
+        os.close(fd)  # init's placeholder: it was never handed one
+        return None
 
     # ------------------------------------------------------------------ warm pool
 
