@@ -150,3 +150,87 @@ def _procs_in(parent: str) -> list[int]:
     from ..leaks import cgroup_pids
 
     return cgroup_pids(f"/sys/fs/cgroup/pids/{parent}")
+
+
+async def _until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll an async condition until it holds (or fail naming it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await cond():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_node_declared_lost_while_alive_keeps_its_sandboxes():
+    """A node-agent that is only stopped (SIGSTOP: paused, overloaded) long enough to be declared
+    lost: the scheduler deletes its placements and then says so; once it runs again it writes
+    the placements of its live sandboxes back, and they are listed and usable again."""
+    stack = make_stack(nodes=1, monitor=False, env_builder=False, node_args=["--heartbeat-s", "0.5"],
+                       scheduler_args=["--stale-after-s", "2"])
+    await stack.start()
+    node = "node-1"
+    try:
+        c = await AsyncClient.connect(stack.url)
+        sbs = [await c.create(image="busybox", cpu=0.1, memory_mb=32) for _ in range(2)]
+        ids = {sb.id for sb in sbs}
+        await sbs[0].files.write("/state.txt", "still here")
+        nc = await nats.connect(stack.url)
+        kv = await nc.jetstream().key_value("corral_placements")
+        got: list[tuple[str, dict]] = []
+        at_lost: dict[str, bool] = {}  # sandbox -> its placement was in KV when the node-lost event came
+
+        async def on_msg(m) -> None:
+            got.append((m.subject, json.loads(m.data)))
+            if m.subject == f"corral.events.node.{node}.lost":
+                for sid in ids:
+                    try:
+                        await kv.get(sid)
+                        at_lost[sid] = True
+                    except Exception:
+                        at_lost[sid] = False
+
+        await nc.subscribe("corral.events.>", cb=on_msg)
+        agent = stack.proc(node).popen
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            async def declared() -> bool:
+                return len(at_lost) == len(ids)
+
+            await _until(declared, what="the node-lost event")
+            assert at_lost == {sid: False for sid in ids}  # the placements were deleted before the event
+
+            async def unlisted() -> bool:
+                return not ids & {i.id for i in await c.list()}
+
+            await _until(unlisted, what="the sandboxes to drop out of the list")
+            lost = {e["sandbox_id"] for s, e in got if s.startswith("corral.events.sandbox.") and e.get("kind") == "lost"}
+            assert lost == ids
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+
+        async def listed() -> bool:
+            return ids <= {i.id for i in await c.list()}
+
+        await _until(listed, what="the sandboxes to be listed again")
+        r = await sbs[0].exec("cat /state.txt")
+        assert r.exit_code == 0 and r.stdout == "still here", r
+        assert (await sbs[1].exec("echo ok")).stdout == "ok\n"
+        back = {e["sandbox_id"] for s, e in got if e.get("kind") == "ready" and "written back" in e.get("reason", "")}
+        assert back == ids, got
+        for sid in ids:  # placements are in KV again, naming the node
+            assert json.loads((await kv.get(sid)).value)["node"] == node
+        for sb in sbs:
+            await sb.destroy()
+        await nc.close()
+        await c.close()
+    finally:
+        try:
+            os.kill(stack.proc(node).popen.pid, signal.SIGCONT)
+        except Exception:
+            pass
+        await stack.stop()
+    assert_clean(stack.data_dir, node)
+    shutil.rmtree(stack.data_dir, ignore_errors=True)
+

@@ -155,6 +155,50 @@ async def test_lost_node_is_reported_and_work_goes_elsewhere(bus):
         assert (await create(nc, memory_mb=64))["sandbox"]["node"] == live.name
 
 
+async def test_not_found_for_a_lost_node_does_not_beat_the_node_answering(bus):
+    """A node declared lost that is alive after all (it was paused) answers a call to its sandbox
+    itself; the scheduler, which deleted the placement, waits about one heartbeat interval and sees
+    the node beating again before it would answer `not_found`, so the node's answer is the one
+    the caller gets."""
+    nc, node = bus
+    events = []
+
+    async def on(m):
+        events.append(m.subject)
+
+    await nc.subscribe("corral.events.node.>", cb=on)
+    sleeper = await node("sleeper", cpu=64.0, memory_mb=100_000)
+    sid = (await create(nc, memory_mb=64, placement="pack"))["sandbox"]["id"]
+    assert sid in sleeper.sandboxes
+    sleeper.beating = False
+    for _ in range(150):
+        if f"corral.events.node.{sleeper.name}.lost" in events:
+            break
+        await asyncio.sleep(0.1)
+    assert f"corral.events.node.{sleeper.name}.lost" in events
+
+    async def answer(m):  # the woken node: its answer takes a moment (a real exec)
+        await asyncio.sleep(0.3)
+        await m.respond(json.dumps({"ok": True, "result": {"exit_code": 0, "stdout": "from the node"}}).encode())
+
+    sub = await nc.subscribe(f"corral.v1.sandbox.{sid}.>", cb=answer)
+    call = asyncio.ensure_future(nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10))
+    await asyncio.sleep(0.05)
+    sleeper.beating = True
+    await sleeper.heartbeat()
+    r = json.loads((await call).data)
+    assert r["ok"] and r["result"]["stdout"] == "from the node", r
+    await sub.unsubscribe()
+    # a node that stays silent: the answer is `not_found`, naming the lost node
+    sleeper.beating = False
+    for _ in range(150):
+        if events.count(f"corral.events.node.{sleeper.name}.lost") >= 2:
+            break
+        await asyncio.sleep(0.1)
+    r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10)).data)
+    assert r["error"]["code"] == "not_found" and sleeper.name in r["error"]["message"], r
+
+
 async def test_two_replicas_race_on_the_same_batch(bus, sched):
     nc, node = bus
     await node("race-a", cpu=64.0, memory_mb=100_000)

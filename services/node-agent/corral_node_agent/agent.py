@@ -17,6 +17,7 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
 
 from corral_common import bus, logs, metrics, subjects
 from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
@@ -64,6 +65,8 @@ RUN_SECONDS = metrics.histogram(
 DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to destroy a sandbox", ("node", "substrate"))
 FILE_ACTIVITY_MODE = metrics.counter("corral_file_activity_watches_total", "Sandbox roots watched for file activity, by fanotify mode",
                                      ("node", "mode"))
+WRITTEN_BACK = "placement written back after the node was declared lost"
+WRITE_BACK_AGAIN_S = 3.0  # the second write-back, past a delete that was still on its way
 EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
 
 
@@ -138,6 +141,8 @@ class NodeAgent:
         self.activity: FileActivity | None = None
         self.inflight: dict[str, dict[object, str]] = {}  # sandbox -> commands being executed (file-event context)
         self.limits: dict[str, tuple[int, int]] = {}  # sandbox -> (OOM kills, pids-limit hits) already reported
+        self.adopted = 0  # sandboxes adopted at start (their placements are checked after the first heartbeat)
+        self.write_back_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ start / stop
 
@@ -169,6 +174,9 @@ class NodeAgent:
         self.audit.enabled = self.cfg.audit
         self.audit.start()
         self.traj = await TrajectoryLog(self.js).open()
+        # the scheduler declared this node lost (it missed our heartbeats: paused, overloaded,
+        # restarting) and deleted our placements: write back those of the sandboxes still alive
+        await self.nc.subscribe(subjects.node_event(self.node, "lost"), cb=self._on_declared_lost)
         await self._reconcile()
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
         await self.responder.serve(subjects.node_create_batch(self.node), BatchCreate(self).handle, "create_batch")
@@ -385,6 +393,7 @@ class NodeAgent:
     async def _reconcile(self) -> None:
         for name, sub in self.substrates.items():
             adopted, report = await sub.reconcile()
+            self.adopted += len(adopted)
             for sb in adopted:
                 try:
                     await self._watch_files(sb)
@@ -935,13 +944,67 @@ class NodeAgent:
         """Heartbeats go out every heartbeat_s whatever else the node is doing: usage is sampled
         by its own task on its own thread, and a heartbeat carries the latest sample. (When the
         sampling waited on the shared thread pool, a node destroying 2,000 sandboxes queued it
-        behind their teardowns, stopped heartbeating and was declared lost.)"""
+        behind their teardowns, stopped heartbeating and was declared lost.)
+
+        After the first heartbeat of an agent that adopted sandboxes, and after a gap in our own
+        heartbeats long enough for the scheduler to have declared the node lost (the process was
+        stopped or starved; the lost event itself may have been missed over a reconnect), the
+        placements of live sandboxes are checked and written back where they are missing."""
         collecting: asyncio.Task | None = None
+        first = True
+        last = time.monotonic()
         while True:
             if collecting is None or collecting.done():
                 collecting = asyncio.ensure_future(self._collect_usage_safe())
             await self._publish_heartbeat()
+            now = time.monotonic()
+            if (first and self.adopted) or now - last > max(3 * self.cfg.heartbeat_s, 2.0):
+                self._spawn(self._write_back())
+            first, last = False, now
             await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _on_declared_lost(self, msg: Msg) -> None:
+        logs.kv(log, logging.WARNING, "the scheduler declared this node lost; writing placements back", node=self.node,
+                sandboxes=len(self.sandboxes))
+        self._spawn(self._write_back())
+
+    async def _write_back(self) -> None:
+        """Write the placements of live sandboxes back to KV where they are missing (a scheduler
+        deleted them when it declared the node lost), each announced with a `ready` event. Done
+        twice, WRITE_BACK_AGAIN_S apart, in case a delete was still on its way the first time."""
+        async with self.write_back_lock:
+            for round_ in range(2):
+                if round_:
+                    await asyncio.sleep(WRITE_BACK_AGAIN_S)
+                if not self.accepting:
+                    return
+                written = []
+                for sid, sb in list(self.sandboxes.items()):
+                    if sid in self.destroying:
+                        continue
+                    await self._placement_written(sid)
+                    try:
+                        e = await self.placements.get(sid)
+                        if e is not None and e.value and _info_node(e.value) == self.node:
+                            continue
+                        if e is not None and e.value:
+                            logs.kv(log, logging.WARNING, "placement names another node; not overwritten", sandbox=sid)
+                            continue
+                    except KeyNotFoundError:
+                        pass
+                    except Exception as e:
+                        logs.kv(log, logging.WARNING, "placement not checked", sandbox=sid, error=str(e))
+                        continue
+                    if sid not in self.sandboxes or sid in self.destroying:
+                        continue  # destroyed meanwhile: its delete must stay the last word
+                    self._record_placement(sb)  # ordered with later writes and the destroy's delete
+                    written.append(sb)
+                for sb in written:
+                    await self._placement_written(sb.id)
+                    if sb.id in self.sandboxes:
+                        await self._event(sb, "ready", reason=WRITTEN_BACK)
+                if written:
+                    logs.kv(log, logging.WARNING, "placements written back", node=self.node, sandboxes=len(written), round=round_ + 1)
 
     async def _collect_usage_safe(self) -> None:
         try:
@@ -971,3 +1034,17 @@ class NodeAgent:
 
 class _Empty(msgspec.Struct, forbid_unknown_fields=False):
     pass
+
+
+class _NodeOf(msgspec.Struct, forbid_unknown_fields=False):
+    node: str = ""
+
+
+_node_of = msgspec.json.Decoder(_NodeOf)
+
+
+def _info_node(data: bytes) -> str:
+    try:
+        return _node_of.decode(data).node
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""

@@ -48,6 +48,7 @@ class QuotaGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     job: str
 ONE_SHOT_SUBSTRATES = {"function"}
 RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
+LOST_MEMORY_S = 600.0  # how long a lost node's sandboxes are remembered (for orphan answers)
 
 
 class _Reply(msgspec.Struct):
@@ -97,6 +98,9 @@ class Scheduler:
         self.kv_node_put: dict[str, float] = {}
         self.pending: dict[str, Usage] = {}
         self.tasks: set[asyncio.Task] = set()
+        # sandboxes whose placements this replica deleted when their node was declared lost:
+        # id -> (node, when); a call to one waits for the node to show up again before `not_found`
+        self.lost_recent: dict[str, tuple[str, float]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
@@ -183,11 +187,17 @@ class Scheduler:
 
     async def _lost_node_loop(self) -> None:
         """A node that stops heartbeating is lost: its sandboxes are reported lost and dropped from
-        the placements, so calls to them get `not_found` and new work goes elsewhere. If the node
-        comes back, its agent re-registers whatever it adopts."""
+        the placements, so calls to them get `not_found` and new work goes elsewhere.
+
+        `corral.events.node.<node>.lost` goes out only after the placements are deleted: a node
+        that was alive all along (paused, overloaded, its agent restarting) hears it and writes
+        its live sandboxes' placements back, and no delete of ours can land after that."""
         lost: set[str] = set()
         while True:
             await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for sid in [s for s, (_, t) in self.lost_recent.items() if now - t > LOST_MEMORY_S]:
+                del self.lost_recent[sid]
             alive = {s.hb.node for s in self.registry.alive()}
             for node, st in list(self.registry.nodes.items()):
                 if node in alive:
@@ -199,8 +209,8 @@ class Scheduler:
                 # by the per-node index: scanning 380,000 placements per lost node stalls the loop
                 victims = [self.placed[sid] for sid in list(self.by_node.get(node, ())) if sid in self.placed]
                 logs.kv(log, logging.WARNING, "node lost", node=node, sandboxes=len(victims))
-                await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
                 for info in victims:
+                    self.lost_recent[info.id] = (node, now)
                     await self.nc.publish(subjects.event(info.id, "lost"), encoder.encode(
                         {"kind": "lost", "ts": time.time(), "sandbox_id": info.id, "node": node, "job": info.job,
                          "reason": f"node {node} stopped heartbeating"}))
@@ -208,6 +218,7 @@ class Scheduler:
                         await self.kv_placements.delete(info.id)
                     except Exception:
                         pass
+                await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
 
     async def _watch_quotas(self) -> None:
         async for e in self.quota_watcher:
@@ -271,6 +282,8 @@ class Scheduler:
             self.pending.pop(spec.job, None)
 
     def _set_placed(self, info: SandboxInfo) -> None:
+        if self.lost_recent:
+            self.lost_recent.pop(info.id, None)
         old = self.placed.get(info.id)
         self.placed[info.id] = info
         if old is not None:
@@ -736,22 +749,34 @@ class Scheduler:
         sid = parts[3]
         if not msg.reply:
             return
-        if sid in self.placed:
-            node = self.placed[sid].node
-            if node in {s.hb.node for s in self.registry.alive()}:
-                return  # owned by a live node: it answers
+        info = self.placed.get(sid)
+        if info is None and sid not in self.lost_recent:
+            await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
+            info = self.placed.get(sid)
+        if info is not None:
+            node = info.node
+        elif sid in self.lost_recent:
+            node = self.lost_recent[sid][0]
+        else:
+            try:
+                await self.kv_placements.get(sid)
+                return  # owned: its node answers
+            except KeyNotFoundError:
+                pass
+            except Exception:
+                return
             await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
-                "code": "not_found", "message": f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"}}))
+                "code": "not_found", "message": f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"}}))
             return
-        await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
-        if sid in self.placed:
+        if self.registry.is_alive(node):
+            return  # owned by a live node: it answers
+        # the node looks lost, but it may only have been paused or slow and be answering right
+        # now, its next heartbeat on the way: give it one heartbeat interval before saying no
+        await asyncio.sleep(min(max(self.registry.interval(node), 0.2), self.cfg.stale_after_s))
+        if self.registry.is_alive(node):
             return
-        try:
-            await self.kv_placements.get(sid)
-            return  # owned: its node answers
-        except KeyNotFoundError:
-            pass
-        except Exception:
+        now_info = self.placed.get(sid)
+        if now_info is not None and now_info.node != node and self.registry.is_alive(now_info.node):
             return
         await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
-            "code": "not_found", "message": f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"}}))
+            "code": "not_found", "message": f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"}}))
