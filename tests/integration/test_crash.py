@@ -234,3 +234,105 @@ async def test_node_declared_lost_while_alive_keeps_its_sandboxes():
     assert_clean(stack.data_dir, node)
     shutil.rmtree(stack.data_dir, ignore_errors=True)
 
+
+async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
+    """A node-agent killed -9 in the middle of a node batch leaves `creating` claims in the
+    placements KV; the next agent on the node removes them (compare-and-set: only while the key
+    still holds that claim) and their notes on disk; finished sandboxes are adopted."""
+    import secrets
+
+    stack = make_stack(nodes=1, monitor=False, env_builder=False)
+    await stack.start()
+    node = "node-1"
+    notes = f"{stack.data_dir}/nodes/{node}/claims"
+    try:
+        nc = await nats.connect(stack.url)
+        kv = await nc.jetstream().key_value("corral_placements")
+        creating: list[str] = []
+
+        async def on_kv(m) -> None:
+            if m.data and json.loads(m.data).get("state") == "creating":
+                creating.append(m.subject.rsplit(".", 1)[1])
+
+        await nc.subscribe("$KV.corral_placements.>", cb=on_kv)
+        ids = [f"sb-{secrets.token_hex(6)}" for _ in range(12)]
+        body = {"items": [{"sandbox_id": sid, "spec": {"image": "busybox", "cpu": 0.05, "memory_mb": 32}} for sid in ids]}
+        call = asyncio.ensure_future(nc.request(f"corral.node.{node}.create_batch", json.dumps(body).encode(), timeout=60))
+
+        async def claimed() -> bool:
+            return bool(creating)
+
+        await _until(claimed, what="a creating claim")
+        agent = stack.proc(node).popen
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        call.cancel()
+        left = set(os.listdir(notes))  # creates the kill interrupted (their claims are in KV)
+        assert left and left <= set(ids), left
+
+        # and two notes planted as a predecessor killed between its claim and its create would
+        # leave them: one whose claim is still in KV, one whose key was written since (a retried
+        # batch placed it on another node): only the first may be deleted
+        stale, taken = f"sb-{secrets.token_hex(6)}", f"sb-{secrets.token_hex(6)}"
+        claim = json.dumps({"id": stale, "node": node, "state": "creating", "substrate": "container", "image": "busybox",
+                            "created_at": 1.0, "expires_at": 2.0}).encode()
+        await kv.create(stale, claim)
+        with open(f"{notes}/{stale}", "wb") as f:
+            f.write(claim)
+        other = json.dumps({"id": taken, "node": "node-elsewhere", "state": "running", "substrate": "container",
+                            "image": "busybox", "created_at": 1.0, "expires_at": 2.0}).encode()
+        await kv.create(taken, claim.replace(stale.encode(), taken.encode()))
+        with open(f"{notes}/{taken}", "wb") as f:
+            f.write(claim.replace(stale.encode(), taken.encode()))
+        await kv.put(taken, other)
+
+        got: list[dict] = []
+
+        async def on_ev(m) -> None:
+            got.append(json.loads(m.data))
+
+        await nc.subscribe("corral.events.sandbox.>", cb=on_ev)
+        stack.restart(node)
+        await _wait_node(stack.url, node)
+
+        assert os.listdir(notes) == []
+        c = await AsyncClient.connect(stack.url)
+        adopted = {i.id for i in await c.list() if i.node == node}
+        for sid in left - adopted:  # an interrupted create that was not adopted: its claim is gone
+            try:
+                await kv.get(sid)
+                raise AssertionError(f"claim of {sid} is still there")
+            except Exception as e:
+                assert "not found" in str(e).lower() or "deleted" in type(e).__name__.lower(), e
+        for sid in ids + [stale]:  # no claim is left in `creating`
+            try:
+                e = await kv.get(sid)
+            except Exception:
+                continue
+            info = json.loads(e.value)
+            assert info["state"] == "running" and info["node"] == node, info
+        assert json.loads((await kv.get(taken)).value)["node"] == "node-elsewhere"
+        try:
+            await kv.get(stale)
+            raise AssertionError("the stale claim is still there")
+        except Exception as e:
+            assert "not found" in str(e).lower() or "deleted" in type(e).__name__.lower(), e
+
+        async def failed_event() -> bool:
+            return any(e.get("sandbox_id") == stale and e.get("kind") == "failed" for e in got)
+
+        await _until(failed_event, what="the failed event of the stale claim")
+        # what the killed batch finished was adopted and works
+        listed = {i.id for i in await c.list() if i.node == node}
+        assert listed <= set(ids), listed
+        for sid in listed:
+            sb = c.sandbox(sid)
+            assert (await sb.exec("echo ok")).stdout == "ok\n"
+            await sb.destroy()
+        await kv.delete(taken)
+        await c.close()
+        await nc.close()
+    finally:
+        await stack.stop()
+    assert_clean(stack.data_dir, node)
+    shutil.rmtree(stack.data_dir, ignore_errors=True)

@@ -35,7 +35,7 @@ from . import confine
 from .audit_files import FileActivity
 from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
-from .batchcreate import BatchCreate
+from .batchcreate import BatchCreate, clean_claims
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
 from .usage import Observed, UsageTracker
@@ -178,6 +178,7 @@ class NodeAgent:
         # restarting) and deleted our placements: write back those of the sandboxes still alive
         await self.nc.subscribe(subjects.node_event(self.node, "lost"), cb=self._on_declared_lost)
         await self._reconcile()
+        await clean_claims(self)  # batch claims of creates a killed predecessor never finished
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
         await self.responder.serve(subjects.node_create_batch(self.node), BatchCreate(self).handle, "create_batch")
         await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")
