@@ -510,10 +510,12 @@ class Scheduler:
         batch_id = req.batch_id or (batch.default_batch_id(rid) if rid else new_id("batch"))
         ids = [batch.item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]
         results: list[SandboxInfo | CorralError | None] = [None] * req.count
+        digest = batch.spec_digest(spec) if rid else ""
         record = await self._batch_record(rid) if rid else None
-        if record is not None and record.count != req.count:
-            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {req.count}: "
-                           f"use a new request_id for a different batch")
+        if record is not None:
+            self._check_same_batch(rid, record, req.count, digest, spec)
+            if not record.done:
+                record = None  # an attempt that did not finish (its replica died) or is still running
         failed_before = set(record.failed) if record is not None else set()
         todo: list[tuple[int, str]] = []
         for i, sid in enumerate(ids):
@@ -526,6 +528,8 @@ class Scheduler:
                 todo.append((i, sid))
         if todo:
             self._check_batch_room(spec, len(todo))
+            if rid and record is None:
+                await self._start_record(rid, req.count, digest, spec)
             self._admit(spec, len(todo))
         progress = batch.Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid)
         progress.placed = sum(1 for r in results if isinstance(r, SandboxInfo))
@@ -543,7 +547,7 @@ class Scheduler:
         if rid:
             try:
                 await self.kv_requests.put(batch.record_key(rid), msgspec.json.encode(
-                    batch.BatchRecord(count=req.count, failed=[f["index"] for f in failed])))
+                    batch.BatchRecord(count=req.count, failed=[f["index"] for f in failed], digest=digest)))
             except Exception:
                 log.warning("batch record not written", extra={"fields": {"batch_id": batch_id}})
         logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
@@ -552,6 +556,34 @@ class Scheduler:
             first = failed[0]
             raise from_code(first["code"], f"none of the {req.count} sandboxes could be created: {first['message']}")
         return batch.reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
+
+    @staticmethod
+    def _check_same_batch(rid: str, record: batch.BatchRecord, count: int, digest: str, spec: SandboxSpec) -> None:
+        """A request_id names one batch: the same count and spec on every retry."""
+        if record.count != count:
+            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {count}: "
+                           f"use a new request_id for a different batch")
+        if record.digest and record.digest != digest:
+            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count} with a different spec "
+                           f"(this one: {batch.describe(spec)}): a retry must send the same spec; "
+                           f"use a new request_id for a different batch")
+
+    async def _start_record(self, rid: str, count: int, digest: str, spec: SandboxSpec) -> None:
+        """Note the batch's count and spec digest before anything is made, so that a concurrent
+        attempt, or a retry after this replica died, with another spec is refused too."""
+        try:
+            await self.kv_requests.create(batch.record_key(rid), msgspec.json.encode(
+                batch.BatchRecord(count=count, digest=digest, done=False)))
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as e:
+            if "wrong last sequence" not in str(e).lower() and "key exists" not in str(e).lower():
+                log.warning("batch record not written", extra={"fields": {"request_id": rid, "error": str(e)}})
+                return
+        other = await self._batch_record(rid)  # another attempt wrote one first
+        if other is not None:
+            self._check_same_batch(rid, other, count, digest, spec)
 
     async def _batch_record(self, rid: str) -> batch.BatchRecord | None:
         try:
