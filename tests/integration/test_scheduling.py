@@ -218,3 +218,35 @@ async def test_two_replicas_race_on_the_same_batch(bus, sched):
     finally:
         replica.terminate()
         replica.wait(timeout=30)
+
+
+async def test_concurrent_creates_do_not_overshoot_a_node():
+    """Six creates at once onto a real node-agent with room for two (as several scheduler
+    replicas, each with its own view, could send them): the node counts the creates it has
+    accepted and not finished, so two are made and four refused with `capacity`; the same for
+    the items of a node batch, which are made a few at a time."""
+    import secrets
+
+    async with running_stack(nodes=1, monitor=False, env_builder=False, node_args=["--memory-mb", "256"]) as s:
+        nc = await nats.connect(s.url)
+        try:
+            spec = {"image": "busybox", "cpu": 0.1, "memory_mb": 128}
+            ids = [f"sb-{secrets.token_hex(6)}" for _ in range(6)]
+            replies = await asyncio.gather(*(nc.request("corral.node.node-1.create", json.dumps(
+                {"sandbox_id": sid, "spec": spec}).encode(), timeout=60) for sid in ids))
+            res = [json.loads(r.data) for r in replies]
+            made = [r["sandbox"]["id"] for r in res if r["ok"]]
+            assert len(made) == 2, res
+            assert [r["error"]["code"] for r in res if not r["ok"]] == ["capacity"] * 4, res
+            for sid in made:
+                r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)
+                assert r["ok"], r
+            items = [{"sandbox_id": f"sb-{secrets.token_hex(6)}", "spec": spec} for _ in range(6)]
+            r = json.loads((await nc.request("corral.node.node-1.create_batch", json.dumps({"items": items}).encode(),
+                                             timeout=60)).data)
+            oks = [x["sandbox"]["id"] for x in r["results"] if x["ok"]]
+            assert len(oks) == 2 and [x["error"]["code"] for x in r["results"] if not x["ok"]] == ["capacity"] * 4, r
+            for sid in oks:
+                assert json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)["ok"]
+        finally:
+            await nc.close()

@@ -120,6 +120,9 @@ class NodeAgent:
         self.substrate_of: dict[str, Substrate] = {}
         self.destroying: set[str] = set()
         self.runs: dict[object, SandboxSpec] = {}  # one-shot runs in flight (capacity)
+        # creates accepted and not finished: they count against the node's room like its sandboxes
+        # (six concurrent creates onto room for two must make two)
+        self.creating: dict[str, SandboxSpec] = {}
         self.capacity = NodeCapacity(
             cpu=cfg.cpu or float(os.cpu_count() or 1),
             memory_mb=cfg.memory_mb or int(_mem_total_mb() * 0.9),
@@ -445,7 +448,7 @@ class NodeAgent:
     def _pool_may_grow(self) -> bool:
         """Warm sandboxes only while the node has room: accepting, under its sandbox count, and
         observed memory under 80% of what it offers (their memory is real)."""
-        return (self.accepting and len(self.sandboxes) + (self.pool.count() if self.pool else 0) < self.capacity.sandboxes
+        return (self.accepting and self._held() + (self.pool.count() if self.pool else 0) < self.capacity.sandboxes
                 and self.observed_mem_mb < self.capacity.memory_mb * 0.8)
 
     async def _claim_warm(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox | None:
@@ -464,9 +467,13 @@ class NodeAgent:
         return ok(node=self.node, sandboxes=len(self.sandboxes))
 
     def _requested(self) -> tuple[float, int]:
-        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values())
-        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values())
+        """CPU and memory requested by the node's sandboxes and the creates it has accepted."""
+        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values()) + sum(s.cpu for s in self.creating.values())
+        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values()) + sum(s.memory_mb for s in self.creating.values())
         return cpu, mem
+
+    def _held(self) -> int:
+        return len(self.sandboxes) + len(self.creating)
 
     async def _on_create(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, NodeCreate)
@@ -476,13 +483,25 @@ class NodeAgent:
         sub = self.substrates.get(spec.substrate)
         if sub is None:
             raise InvalidRequest(f"substrate {spec.substrate!r} is not available on node {self.node}; available: {', '.join(self.substrates)}")
-        cpu, mem = self._requested()
-        cpu_cap = self.capacity.cpu * self.capacity.cpu_overcommit_max
-        if len(self.sandboxes) >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
-            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes, {cpu:g}/{cpu_cap:g} cpu, "
-                           f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         if req.sandbox_id in self.sandboxes:
             return ok(sandbox=self.sandboxes[req.sandbox_id].info)
+        if req.sandbox_id in self.creating:
+            raise Unavailable(f"sandbox {req.sandbox_id} is already being created on node {self.node}", retry_after_s=0.5)
+        # the check and the booking happen with no await in between: concurrent creates each see
+        # the ones accepted before them
+        cpu, mem = self._requested()
+        n = self._held()
+        cpu_cap = self.capacity.cpu * self.capacity.cpu_overcommit_max
+        if n >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
+            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes and {len(self.creating)} being created, "
+                           f"{cpu:g}/{cpu_cap:g} cpu, {mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
+        self.creating[req.sandbox_id] = spec
+        try:
+            return await self._create(req, spec, sub)
+        finally:
+            self.creating.pop(req.sandbox_id, None)
+
+    async def _create(self, req: NodeCreate, spec: SandboxSpec, sub: Substrate) -> bytes:
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
@@ -515,6 +534,7 @@ class NodeAgent:
                 raise InvalidRequest(f"could not plant canaries or protect paths: {e}") from None
         await self._watch_activity(sb, sub)
         self._check_limits(sb, sub)
+        self.creating.pop(sb.id, None)  # from here on it counts as a sandbox
         await self._register(sb, sub)
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
         await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
@@ -540,7 +560,7 @@ class NodeAgent:
         cpu, mem = self._requested()
         cpu += sum(s.cpu for s in self.runs.values())
         mem += sum(s.memory_mb for s in self.runs.values())
-        n = len(self.sandboxes) + len(self.runs)
+        n = self._held() + len(self.runs)
         cpu_cap = self.capacity.cpu * getattr(self.capacity, "cpu_overcommit_max", 1.0)
         if n >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
             raise Capacity(f"node {self.node} is full ({n} sandboxes and calls, {cpu:g}/{cpu_cap:g} cpu, "
@@ -929,7 +949,7 @@ class NodeAgent:
         cpu, mem = self._requested()
         hb = Heartbeat(
             node=self.node, ts=time.time(), capacity=self.capacity,
-            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=len(self.sandboxes),
+            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=self._held(),
                             requested_cpu=cpu, requested_memory_mb=mem,
                             pooled=self.pool.count() if self.pool else 0, per_sandbox=self.observed.per_sandbox, per_sandbox_omitted=self.observed.omitted),
             substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
