@@ -330,13 +330,13 @@ class NodeAgent:
                 pass
         return out
 
-    async def _watch_activity(self, sb: Sandbox, sub: Substrate) -> None:
+    async def _watch_activity(self, sb: Sandbox, sub: Substrate, inline: bool = False) -> None:
         """Start reporting the sandbox's file activity (its root filesystem's superblock)."""
         root = sub.audit_root(sb)
         if self.activity is None or root is None:
             return
         try:
-            mode = await asyncio.to_thread(self.activity.add, sb.id, root)
+            mode = self.activity.add(sb.id, root) if inline else await asyncio.to_thread(self.activity.add, sb.id, root)
             FILE_ACTIVITY_MODE.labels(self.node, mode).inc()
         except OSError as e:
             logs.kv(log, logging.WARNING, "file activity of this sandbox is not audited", sandbox=sb.id, error=str(e))
@@ -497,11 +497,11 @@ class NodeAgent:
                            f"{cpu:g}/{cpu_cap:g} cpu, {mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         self.creating[req.sandbox_id] = spec
         try:
-            return await self._create(req, spec, sub)
+            return await self._create(msg, req, spec, sub)
         finally:
             self.creating.pop(req.sandbox_id, None)
 
-    async def _create(self, req: NodeCreate, spec: SandboxSpec, sub: Substrate) -> bytes:
+    async def _create(self, msg: Msg, req: NodeCreate, spec: SandboxSpec, sub: Substrate) -> bytes | None:
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
@@ -532,14 +532,32 @@ class NodeAgent:
                 if isinstance(e, CorralError):
                     raise
                 raise InvalidRequest(f"could not plant canaries or protect paths: {e}") from None
-        await self._watch_activity(sb, sub)
-        self._check_limits(sb, sub)
+        # on the loop when nothing of this sandbox carries a permission mark (opening its root
+        # cannot wait on this loop's answer): a thread hop costs more than the marks
+        await self._watch_activity(sb, sub, inline=not (spec.canaries or spec.protected_paths))
         self.creating.pop(sb.id, None)  # from here on it counts as a sandbox
-        await self._register(sb, sub)
+        await self._register(sb, sub)  # serves corral.v1.sandbox.<id>.> before anyone hears of it
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
+        body = ok(sandbox=sb.info)
+        reply = getattr(msg, "reply", "")
+        direct = bool(req.reply_to and reply)
+        if direct:
+            # the client's answer goes straight to it; the scheduler hears first (same flush) that
+            # it was given, and only records the placement
+            try:
+                await self.nc.publish(reply, body[:-1] + b',"replied":true}')
+                await self.nc.publish(req.reply_to, body)
+            except Exception:
+                log.warning("could not publish the create reply", extra={"fields": {"sandbox": sb.id}})
+            await asyncio.sleep(0)  # the flusher writes both before the bookkeeping below
+        try:
+            sub.settle(sb)
+        except Exception:
+            log.exception("create bookkeeping failed", extra={"fields": {"sandbox": sb.id}})
+        self._check_limits(sb, sub)
         await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
         await self._event(sb, "ready")
-        return ok(sandbox=sb.info)
+        return None if direct else body
 
     async def _on_run(self, msg: Msg) -> None:
         """`corral.node.<node>.run` (from the scheduler's `corral.v1.sandbox.run`): a fresh sandbox,

@@ -55,6 +55,7 @@ class _Reply(msgspec.Struct):
     ok: bool
     sandbox: SandboxInfo | None = None
     error: dict | None = None
+    replied: bool = False  # the node answered the client itself (NodeCreate.reply_to)
 
 
 def _node_error(r: _Reply) -> CorralError:
@@ -70,6 +71,7 @@ class _BatchReply(msgspec.Struct):
 
 
 _batch_reply_decoder = msgspec.json.Decoder(_BatchReply)
+_reply_decoder = msgspec.json.Decoder(_Reply)
 _info_decoder = msgspec.json.Decoder(SandboxInfo)
 
 
@@ -324,10 +326,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ create
 
-    async def _on_create(self, msg: Msg) -> bytes:
+    async def _on_create(self, msg: Msg) -> bytes | None:
+        """`corral.v1.sandbox.create`. The node is asked to answer the client directly (one hop
+        less on a create's path: client -> scheduler -> node -> client); if it did, this replica
+        only records the placement, otherwise it relays the node's answer."""
         spec = bus.decode(msg.data, SandboxSpec)
-        info = await self.create(spec)
-        return ok(sandbox=info)
+        box: list[bool] = []
+        info = await self.create(spec, reply_to=msg.reply or "", replied=box)
+        return None if box else ok(sandbox=info)
 
     def _check_substrate(self, spec: SandboxSpec, one_shot: bool = False) -> None:
         if spec.substrate in ONE_SHOT_SUBSTRATES and not one_shot:
@@ -340,19 +346,21 @@ class Scheduler:
         if have and spec.substrate not in have:
             raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")
 
-    async def create(self, spec: SandboxSpec, admitted: bool = False) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, admitted: bool = False, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+        """Place one sandbox. With `reply_to`, the node that makes it may answer there itself; it
+        did if `replied` (a list) comes back holding True."""
         self._check_substrate(spec)
         if not admitted:
             self._admit(spec, 1)
         try:
-            return await self._create(spec)
+            return await self._create(spec, reply_to, replied)
         finally:
             if not admitted:
                 self._settle(spec)
 
-    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def _create(self, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
         if not spec.request_id:
-            return await self._place(new_id(), spec)
+            return await self._place(new_id(), spec, reply_to, replied)
         key = "r" + hashlib.sha256(spec.request_id.encode()).hexdigest()[:40]
         sid = new_id()
         try:
@@ -364,7 +372,7 @@ class Scheduler:
                 return await self._existing(key, spec.request_id)
             raise
         try:
-            return await self._place(sid, spec)
+            return await self._place(sid, spec, reply_to, replied)
         except BaseException:
             try:
                 await self.kv_requests.delete(key)  # let a retry try again
@@ -395,13 +403,13 @@ class Scheduler:
             await asyncio.sleep(0.02)
         raise CorralError(f"request_id {request_id!r} is still being placed by another attempt", Code.TIMEOUT)
 
-    async def _place(self, sid: str, spec: SandboxSpec) -> SandboxInfo:
+    async def _place(self, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
         for st, res in self._attempts(alive, spec, tried):
             try:
-                info = await self._ask_node(st.hb.node, sid, spec)
+                info = await self._ask_node(st.hb.node, sid, spec, reply_to, replied)
             except CorralError as e:
                 st.reservations.remove(res)
                 if e.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.TIMEOUT):
@@ -436,17 +444,19 @@ class Scheduler:
         return Capacity(f"no node has room for {what} with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
                         f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=retry_after_s)
 
-    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec) -> SandboxInfo:
-        data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec))
+    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+        data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec, reply_to=reply_to))
         try:
             resp = await self.nc.request(subjects.node_create(node), data, timeout=self.cfg.node_timeout_s)
         except NoRespondersError:
             raise Unavailable(f"node {node} is not answering") from None
         except NatsTimeout:
             raise CorralError(f"node {node} did not answer within {self.cfg.node_timeout_s:g}s", Code.TIMEOUT) from None
-        r = msgspec.json.decode(resp.data, type=_Reply)
+        r = _reply_decoder.decode(resp.data)
         if not r.ok or r.sandbox is None:
             raise _node_error(r)
+        if r.replied and replied is not None:
+            replied.append(True)
         return r.sandbox
 
     async def _on_run(self, msg: Msg) -> bytes:
