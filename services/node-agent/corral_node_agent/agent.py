@@ -475,7 +475,9 @@ class NodeAgent:
     def _held(self) -> int:
         return len(self.sandboxes) + len(self.creating)
 
-    async def _on_create(self, msg: Msg) -> bytes:
+    async def _on_create(self, msg: Msg) -> bytes | None:
+        """`corral.node.<node>.create` (and each item of a node batch). None when the reply was
+        published here already (NodeCreate.reply_to: the client's answer goes straight to it)."""
         req = bus.decode(msg.data, NodeCreate)
         spec = req.spec
         if not self.accepting:
