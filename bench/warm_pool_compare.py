@@ -5,7 +5,8 @@ PYTHONPATH, so every service of its stack runs that code) and for the working tr
 falls on both alike. Reports per round and over all samples the pooled and cold create p50/p99
 through the bus, the node-side means and a bare bus round trip; writes
 `warm_pool_compare.json` + `.png` and, from the last run of the working tree, the usual
-`warm_pool.json` + `.png`.
+`warm_pool.json` + `.png`. Both versions are driven by this tree's bench code; only the code of
+the stack's services (every process started with the before tree first on PYTHONPATH) differs.
 
     .venv/bin/python -m bench.warm_pool_compare --before REV [--rounds 3] [--n 100] [--gap 0.3] [--out bench/results]
 """
@@ -41,8 +42,9 @@ def run(tree: str, n: int, gap: float) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(os.path.join(tree, p) for p in PKG_DIRS)
     try:
+        # the same bench code (this tree's) for both: only the services' code differs
         subprocess.run([sys.executable, "-m", "bench.warm_pool", "--n", str(n), "--gap", str(gap), "--out", out],
-                       cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+                       cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "warm_pool.json")) as f:
             res = json.load(f)
         res["_dir"] = out
@@ -67,6 +69,7 @@ def summary(runs: list[dict]) -> dict:
         "pooled_p50_per_round": [r["pooled"]["all"]["p50_ms"] for r in runs],
         "cold_p50_per_round": [r["cold"]["all"]["p50_ms"] for r in runs],
         "hit_rate": round(float(np.mean([r["pooled"]["hit_rate"] for r in runs])), 3),
+        "node_pool_hits_misses": [[r["pooled"].get("node_pool_hits"), r["pooled"].get("node_pool_misses")] for r in runs],
         "node_claim_mean_ms": [r["pooled"]["node_claim_mean_ms"] for r in runs],
         "node_create_mean_ms_pooled": [r["pooled"]["node_create_mean_ms"] for r in runs],
         "loadavg": [r["machine"]["loadavg_start"][0] for r in runs],
