@@ -199,6 +199,46 @@ async def test_not_found_for_a_lost_node_does_not_beat_the_node_answering(bus):
     assert r["error"]["code"] == "not_found" and sleeper.name in r["error"]["message"], r
 
 
+async def test_a_directly_answered_create_is_never_called_unknown(bus):
+    """A node that answers the client directly (NodeCreate.reply_to) and whose answer to the
+    scheduler is slow: the client's next call reaches the scheduler before the placement is
+    recorded, and the scheduler waits for it instead of answering `not_found`."""
+    nc, node = bus
+    n = await node("direct", cpu=64.0, memory_mb=100_000)
+    await n.subs.pop(0).unsubscribe()  # its plain create handler; this one answers like a real node
+    to_scheduler = asyncio.Event()
+
+    async def on_create(m):
+        req = json.loads(m.data)
+        now = __import__("time").time()
+        info = {"id": req["sandbox_id"], "node": n.name, "state": "running", "substrate": "container", "image": "busybox",
+                "created_at": now, "expires_at": now + 600, "cpu": req["spec"].get("cpu", 1.0),
+                "memory_mb": req["spec"].get("memory_mb", 256)}
+        assert req.get("reply_to")
+        await nc.publish(req["reply_to"], json.dumps({"ok": True, "sandbox": info}).encode())
+        await to_scheduler.wait()  # the scheduler hears of it only later
+        await m.respond(json.dumps({"ok": True, "sandbox": info, "replied": True}).encode())
+
+    n.subs.append(await nc.subscribe(f"corral.node.{n.name}.create", cb=on_create))
+    r = await create(nc, memory_mb=64, placement="pack")
+    assert r["ok"] and r["sandbox"]["node"] == n.name, r
+    sid = r["sandbox"]["id"]
+
+    async def on_exec(m):  # the node's sandbox: its answer takes a moment
+        await asyncio.sleep(0.3)
+        await m.respond(json.dumps({"ok": True, "result": {"exit_code": 0, "stdout": "from the node"}}).encode())
+
+    sub = await nc.subscribe(f"corral.v1.sandbox.{sid}.>", cb=on_exec)
+    call = asyncio.ensure_future(nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10))
+    await asyncio.sleep(0.1)  # the race this is about: the call is at the scheduler before the node's answer
+    to_scheduler.set()
+    r = json.loads((await call).data)
+    assert r["ok"] and r["result"]["stdout"] == "from the node", r
+    await sub.unsubscribe()
+    listed = json.loads((await nc.request("corral.v1.sandbox.list", json.dumps({"node": n.name}).encode(), timeout=5)).data)
+    assert [s["id"] for s in listed["sandboxes"]] == [sid]
+
+
 async def test_two_replicas_race_on_the_same_batch(bus, sched):
     nc, node = bus
     await node("race-a", cpu=64.0, memory_mb=100_000)

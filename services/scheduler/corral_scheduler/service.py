@@ -103,6 +103,9 @@ class Scheduler:
         # sandboxes whose placements this replica deleted when their node was declared lost:
         # id -> (node, when); a call to one waits for the node to show up again before `not_found`
         self.lost_recent: dict[str, tuple[str, float]] = {}
+        # creates this replica is placing (set when the node's answer is recorded): the node may
+        # have answered the client directly, whose next call must not be answered `not_found`
+        self.placing: dict[str, asyncio.Event] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
@@ -404,6 +407,14 @@ class Scheduler:
         raise CorralError(f"request_id {request_id!r} is still being placed by another attempt", Code.TIMEOUT)
 
     async def _place(self, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+        done = self.placing[sid] = asyncio.Event()
+        try:
+            return await self._place_on_a_node(sid, spec, reply_to, replied)
+        finally:
+            self.placing.pop(sid, None)
+            done.set()
+
+    async def _place_on_a_node(self, sid: str, spec: SandboxSpec, reply_to: str, replied: list | None) -> SandboxInfo:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
@@ -792,6 +803,14 @@ class Scheduler:
         if not msg.reply:
             return
         info = self.placed.get(sid)
+        if info is None and sid in self.placing:
+            # being placed by this replica: its node may have answered the client directly
+            # before its answer to us was read; decide once it is recorded
+            try:
+                await asyncio.wait_for(self.placing[sid].wait(), self.cfg.node_timeout_s + 5)
+            except (TimeoutError, KeyError):
+                pass
+            info = self.placed.get(sid)
         if info is None and sid not in self.lost_recent:
             await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
             info = self.placed.get(sid)
@@ -800,13 +819,17 @@ class Scheduler:
         elif sid in self.lost_recent:
             node = self.lost_recent[sid][0]
         else:
-            try:
-                await self.kv_placements.get(sid)
-                return  # owned: its node answers
-            except KeyNotFoundError:
-                pass
-            except Exception:
-                return
+            for wait in (0.0, 0.25):  # another replica may have placed it, its KV write in flight
+                await asyncio.sleep(wait)
+                if sid in self.placed:
+                    return
+                try:
+                    await self.kv_placements.get(sid)
+                    return  # owned: its node answers
+                except KeyNotFoundError:
+                    pass
+                except Exception:
+                    return
             await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
                 "code": "not_found", "message": f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"}}))
             return
