@@ -66,6 +66,11 @@ def histogram_mean(metrics_url: str, name: str) -> float | None:
     return round(s / c * 1000, 3) if c else None
 
 
+def counter_total(metrics_url: str, name: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 async def measure(pool: bool, n: int, gap: float) -> dict:
     data = tempfile.mkdtemp(prefix="crl-wp-", dir="/tmp")
     args = ["--heartbeat-s", "0.25"] + (["--warm-pool", "busybox=4"] if pool else [])
@@ -102,7 +107,10 @@ async def measure(pool: bool, n: int, gap: float) -> dict:
             t0 = time.perf_counter()
             sb = await c.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600)
             lat.append((time.perf_counter() - t0) * 1000)
-            await asyncio.sleep(0.02)
+            # off the clock: the created event says whether it was a claim (it may follow the reply)
+            until = time.monotonic() + 5
+            while sb.id not in reasons and time.monotonic() < until:
+                await asyncio.sleep(0.005)
             hit.append(reasons.get(sb.id, "") == "claimed from the warm pool")
             await sb.destroy()
             await asyncio.sleep(gap)
@@ -115,6 +123,9 @@ async def measure(pool: bool, n: int, gap: float) -> dict:
             "claimed": stats([ms for ms, h in zip(lat, hit) if h]) if pool else None,
             "node_create_mean_ms": histogram_mean(metrics_url, "corral_sandbox_create_seconds") if metrics_url else None,
             "node_claim_mean_ms": histogram_mean(metrics_url, "corral_warm_pool_claim_seconds") if metrics_url and pool else None,
+            # the node's own count (warm-up creates included): a check on the event-based hits
+            "node_pool_hits": counter_total(metrics_url, "corral_warm_pool_hits_total") if metrics_url and pool else None,
+            "node_pool_misses": counter_total(metrics_url, "corral_warm_pool_misses_total") if metrics_url and pool else None,
         }
         await c.close()
         return out

@@ -179,6 +179,45 @@ async def test_bad_input_is_explained(bus):
     assert (await call(nc, "corral.v1.quota.get", {"job": job}))["used"]["sandboxes"] == 10
 
 
+async def test_same_request_id_with_another_spec_is_a_conflict(bus):
+    """A batch's request_id stands for one spec: a retry with the same spec (spelt differently:
+    key order, defaults given) returns the same sandboxes; another spec is a `conflict` that
+    says why, and makes nothing."""
+    nc, node = bus
+    n = await node("digest", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    await heard(nc)
+    rid = f"dg-{uuid.uuid4().hex[:6]}"
+    body = {"spec": {"cpu": 0.1, "memory_mb": 16, "job": rid, "request_id": rid, "labels": {"a": "1", "b": "2"}}, "count": 4}
+    first = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
+    ids = sorted(s["id"] for s in first["sandboxes"])
+    assert len(ids) == 4
+    same = {"spec": {"request_id": rid, "job": rid, "labels": {"b": "2", "a": "1"}, "memory_mb": 16, "cpu": 0.1,
+                     "substrate": "container"}, "count": 4}
+    again = await call(nc, subjects.SANDBOX_CREATE_BATCH, same)
+    assert sorted(s["id"] for s in again["sandboxes"]) == ids and not again["failed"]
+    held = len(n.sandboxes)
+    for change in ({"memory_mb": 32}, {"image": "debian"}, {"labels": {"a": "1"}}):
+        r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {**body["spec"], **change}, "count": 4})
+        assert r["ok"] is False and r["error"]["code"] == "conflict", r
+        msg = r["error"]["message"]
+        assert rid in msg and "different spec" in msg and "new request_id" in msg, msg
+    assert len(n.sandboxes) == held
+    # a batch whose first attempt never finished (its replica died) is refused with another spec too
+    rid2 = f"dg2-{uuid.uuid4().hex[:6]}"
+    n.hold = asyncio.Event()
+    body2 = {"spec": {"cpu": 0.1, "memory_mb": 16, "job": rid2, "request_id": rid2}, "count": 3}
+    pending = asyncio.ensure_future(call(nc, subjects.SANDBOX_CREATE_BATCH, body2))
+    for _ in range(100):
+        if n.held:
+            break
+        await asyncio.sleep(0.05)
+    assert n.held
+    r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {**body2["spec"], "memory_mb": 64}, "count": 3})
+    assert r["ok"] is False and r["error"]["code"] == "conflict" and "different spec" in r["error"]["message"], r
+    n.hold.set()
+    assert len((await pending)["sandboxes"]) == 3
+
+
 async def test_destroyed_items_are_not_made_again_on_retry(bus):
     nc, node = bus
     n = await node("gone", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)

@@ -230,3 +230,45 @@ async def test_services_survive_bad_input(nc):
     r2 = await call(nc, f"corral.v1.sandbox.{r['sandbox']['id']}.exec", {"cmd": "echo alive"})
     assert r2["result"]["stdout"] == "alive\n"
     await call(nc, f"corral.v1.sandbox.{r['sandbox']['id']}.destroy", {})
+
+
+async def test_create_is_answered_by_the_node_directly(nc):
+    """The scheduler forwards the client's reply inbox in its node create (`reply_to`); the node
+    that made the sandbox answers there itself, once, and the scheduler only records the
+    placement (the sandbox is listed, no second answer comes)."""
+    import asyncio
+
+    seen: list[dict] = []
+    replies: list[dict] = []
+
+    async def on_node_create(m) -> None:  # an observer next to the node-agent: it answers nothing
+        seen.append(json.loads(m.data))
+
+    async def on_reply(m) -> None:
+        replies.append(json.loads(m.data))
+
+    watch = await nc.subscribe("corral.node.*.create", cb=on_node_create)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    await nc.publish("corral.v1.sandbox.create", json.dumps({"image": "busybox", "cpu": 0.1, "memory_mb": 32}).encode(), reply=inbox)
+    for _ in range(300):
+        if replies:
+            break
+        await asyncio.sleep(0.05)
+    assert len(replies) == 1 and replies[0]["ok"] is True, replies
+    sid = replies[0]["sandbox"]["id"]
+    assert "replied" not in replies[0]  # the client's answer is the plain contract reply
+    assert [s["reply_to"] for s in seen if s["sandbox_id"] == sid] == [inbox], seen
+    try:
+        for _ in range(100):  # the scheduler recorded it (a relay would have gone out before this)
+            if sid in {s["id"] for s in (await call(nc, "corral.v1.sandbox.list", {}))["sandboxes"]}:
+                break
+            await asyncio.sleep(0.05)
+        await call(nc, "corral.v1.sandbox.list", {})
+        assert len(replies) == 1, replies
+        r = await call(nc, f"corral.v1.sandbox.{sid}.exec", {"cmd": "echo direct"})
+        assert r["result"]["stdout"] == "direct\n"
+    finally:
+        await sub.unsubscribe()
+        await watch.unsubscribe()
+        await call(nc, f"corral.v1.sandbox.{sid}.destroy", {})

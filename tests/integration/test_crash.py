@@ -150,3 +150,189 @@ def _procs_in(parent: str) -> list[int]:
     from ..leaks import cgroup_pids
 
     return cgroup_pids(f"/sys/fs/cgroup/pids/{parent}")
+
+
+async def _until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll an async condition until it holds (or fail naming it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await cond():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_node_declared_lost_while_alive_keeps_its_sandboxes():
+    """A node-agent that is only stopped (SIGSTOP: paused, overloaded) long enough to be declared
+    lost: the scheduler deletes its placements and then says so; once it runs again it writes
+    the placements of its live sandboxes back, and they are listed and usable again."""
+    stack = make_stack(nodes=1, monitor=False, env_builder=False, node_args=["--heartbeat-s", "0.5"],
+                       scheduler_args=["--stale-after-s", "2"])
+    await stack.start()
+    node = "node-1"
+    try:
+        c = await AsyncClient.connect(stack.url)
+        sbs = [await c.create(image="busybox", cpu=0.1, memory_mb=32) for _ in range(2)]
+        ids = {sb.id for sb in sbs}
+        await sbs[0].files.write("/state.txt", "still here")
+        nc = await nats.connect(stack.url)
+        kv = await nc.jetstream().key_value("corral_placements")
+        got: list[tuple[str, dict]] = []
+        at_lost: dict[str, bool] = {}  # sandbox -> its placement was in KV when the node-lost event came
+
+        async def on_msg(m) -> None:
+            got.append((m.subject, json.loads(m.data)))
+            if m.subject == f"corral.events.node.{node}.lost":
+                for sid in ids:
+                    try:
+                        await kv.get(sid)
+                        at_lost[sid] = True
+                    except Exception:
+                        at_lost[sid] = False
+
+        await nc.subscribe("corral.events.>", cb=on_msg)
+        agent = stack.proc(node).popen
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            async def declared() -> bool:
+                return len(at_lost) == len(ids)
+
+            await _until(declared, what="the node-lost event")
+            assert at_lost == {sid: False for sid in ids}  # the placements were deleted before the event
+
+            async def unlisted() -> bool:
+                return not ids & {i.id for i in await c.list()}
+
+            await _until(unlisted, what="the sandboxes to drop out of the list")
+            lost = {e["sandbox_id"] for s, e in got if s.startswith("corral.events.sandbox.") and e.get("kind") == "lost"}
+            assert lost == ids
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+
+        async def listed() -> bool:
+            return ids <= {i.id for i in await c.list()}
+
+        await _until(listed, what="the sandboxes to be listed again")
+        r = await sbs[0].exec("cat /state.txt")
+        assert r.exit_code == 0 and r.stdout == "still here", r
+        assert (await sbs[1].exec("echo ok")).stdout == "ok\n"
+        back = {e["sandbox_id"] for s, e in got if e.get("kind") == "ready" and "written back" in e.get("reason", "")}
+        assert back == ids, got
+        for sid in ids:  # placements are in KV again, naming the node
+            assert json.loads((await kv.get(sid)).value)["node"] == node
+        for sb in sbs:
+            await sb.destroy()
+        await nc.close()
+        await c.close()
+    finally:
+        try:
+            os.kill(stack.proc(node).popen.pid, signal.SIGCONT)
+        except Exception:
+            pass
+        await stack.stop()
+    assert_clean(stack.data_dir, node)
+    shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
+    """A node-agent killed -9 in the middle of a node batch leaves `creating` claims in the
+    placements KV; the next agent on the node removes them (compare-and-set: only while the key
+    still holds that claim) and their notes on disk; finished sandboxes are adopted."""
+    import secrets
+
+    stack = make_stack(nodes=1, monitor=False, env_builder=False)
+    await stack.start()
+    node = "node-1"
+    notes = f"{stack.data_dir}/nodes/{node}/claims"
+    try:
+        nc = await nats.connect(stack.url)
+        kv = await nc.jetstream().key_value("corral_placements")
+        creating: list[str] = []
+
+        async def on_kv(m) -> None:
+            if m.data and json.loads(m.data).get("state") == "creating":
+                creating.append(m.subject.rsplit(".", 1)[1])
+
+        await nc.subscribe("$KV.corral_placements.>", cb=on_kv)
+        ids = [f"sb-{secrets.token_hex(6)}" for _ in range(12)]
+        body = {"items": [{"sandbox_id": sid, "spec": {"image": "busybox", "cpu": 0.05, "memory_mb": 32}} for sid in ids]}
+        call = asyncio.ensure_future(nc.request(f"corral.node.{node}.create_batch", json.dumps(body).encode(), timeout=60))
+
+        async def claimed() -> bool:
+            return bool(creating)
+
+        await _until(claimed, what="a creating claim")
+        agent = stack.proc(node).popen
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        call.cancel()
+        left = set(os.listdir(notes))  # creates the kill interrupted (their claims are in KV)
+        assert left and left <= set(ids), left
+
+        # and two notes planted as a predecessor killed between its claim and its create would
+        # leave them: one whose claim is still in KV, one whose key was written since (a retried
+        # batch placed it on another node): only the first may be deleted
+        stale, taken = f"sb-{secrets.token_hex(6)}", f"sb-{secrets.token_hex(6)}"
+        claim = json.dumps({"id": stale, "node": node, "state": "creating", "substrate": "container", "image": "busybox",
+                            "created_at": 1.0, "expires_at": 2.0}).encode()
+        await kv.create(stale, claim)
+        with open(f"{notes}/{stale}", "wb") as f:
+            f.write(claim)
+        other = json.dumps({"id": taken, "node": "node-elsewhere", "state": "running", "substrate": "container",
+                            "image": "busybox", "created_at": 1.0, "expires_at": 2.0}).encode()
+        await kv.create(taken, claim.replace(stale.encode(), taken.encode()))
+        with open(f"{notes}/{taken}", "wb") as f:
+            f.write(claim.replace(stale.encode(), taken.encode()))
+        await kv.put(taken, other)
+
+        got: list[dict] = []
+
+        async def on_ev(m) -> None:
+            got.append(json.loads(m.data))
+
+        await nc.subscribe("corral.events.sandbox.>", cb=on_ev)
+        stack.restart(node)
+        await _wait_node(stack.url, node)
+
+        assert os.listdir(notes) == []
+        c = await AsyncClient.connect(stack.url)
+        adopted = {i.id for i in await c.list() if i.node == node}
+        for sid in left - adopted:  # an interrupted create that was not adopted: its claim is gone
+            try:
+                await kv.get(sid)
+                raise AssertionError(f"claim of {sid} is still there")
+            except Exception as e:
+                assert "not found" in str(e).lower() or "deleted" in type(e).__name__.lower(), e
+        for sid in ids + [stale]:  # no claim is left in `creating`
+            try:
+                e = await kv.get(sid)
+            except Exception:
+                continue
+            info = json.loads(e.value)
+            assert info["state"] == "running" and info["node"] == node, info
+        assert json.loads((await kv.get(taken)).value)["node"] == "node-elsewhere"
+        try:
+            await kv.get(stale)
+            raise AssertionError("the stale claim is still there")
+        except Exception as e:
+            assert "not found" in str(e).lower() or "deleted" in type(e).__name__.lower(), e
+
+        async def failed_event() -> bool:
+            return any(e.get("sandbox_id") == stale and e.get("kind") == "failed" for e in got)
+
+        await _until(failed_event, what="the failed event of the stale claim")
+        # what the killed batch finished was adopted and works
+        listed = {i.id for i in await c.list() if i.node == node}
+        assert listed <= set(ids), listed
+        for sid in listed:
+            sb = c.sandbox(sid)
+            assert (await sb.exec("echo ok")).stdout == "ok\n"
+            await sb.destroy()
+        await kv.delete(taken)
+        await c.close()
+        await nc.close()
+    finally:
+        await stack.stop()
+    assert_clean(stack.data_dir, node)
+    shutil.rmtree(stack.data_dir, ignore_errors=True)

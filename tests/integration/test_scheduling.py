@@ -155,6 +155,90 @@ async def test_lost_node_is_reported_and_work_goes_elsewhere(bus):
         assert (await create(nc, memory_mb=64))["sandbox"]["node"] == live.name
 
 
+async def test_not_found_for_a_lost_node_does_not_beat_the_node_answering(bus):
+    """A node declared lost that is alive after all (it was paused) answers a call to its sandbox
+    itself; the scheduler, which deleted the placement, waits about one heartbeat interval and sees
+    the node beating again before it would answer `not_found`, so the node's answer is the one
+    the caller gets."""
+    nc, node = bus
+    events = []
+
+    async def on(m):
+        events.append(m.subject)
+
+    await nc.subscribe("corral.events.node.>", cb=on)
+    sleeper = await node("sleeper", cpu=64.0, memory_mb=100_000)
+    sid = (await create(nc, memory_mb=64, placement="pack"))["sandbox"]["id"]
+    assert sid in sleeper.sandboxes
+    sleeper.beating = False
+    for _ in range(150):
+        if f"corral.events.node.{sleeper.name}.lost" in events:
+            break
+        await asyncio.sleep(0.1)
+    assert f"corral.events.node.{sleeper.name}.lost" in events
+
+    async def answer(m):  # the woken node: its answer takes a moment (a real exec)
+        await asyncio.sleep(0.3)
+        await m.respond(json.dumps({"ok": True, "result": {"exit_code": 0, "stdout": "from the node"}}).encode())
+
+    sub = await nc.subscribe(f"corral.v1.sandbox.{sid}.>", cb=answer)
+    call = asyncio.ensure_future(nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10))
+    await asyncio.sleep(0.05)
+    sleeper.beating = True
+    await sleeper.heartbeat()
+    r = json.loads((await call).data)
+    assert r["ok"] and r["result"]["stdout"] == "from the node", r
+    await sub.unsubscribe()
+    # a node that stays silent: the answer is `not_found`, naming the lost node
+    sleeper.beating = False
+    for _ in range(150):
+        if events.count(f"corral.events.node.{sleeper.name}.lost") >= 2:
+            break
+        await asyncio.sleep(0.1)
+    r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10)).data)
+    assert r["error"]["code"] == "not_found" and sleeper.name in r["error"]["message"], r
+
+
+async def test_a_directly_answered_create_is_never_called_unknown(bus):
+    """A node that answers the client directly (NodeCreate.reply_to) and whose answer to the
+    scheduler is slow: the client's next call reaches the scheduler before the placement is
+    recorded, and the scheduler waits for it instead of answering `not_found`."""
+    nc, node = bus
+    n = await node("direct", cpu=64.0, memory_mb=100_000)
+    await n.subs.pop(0).unsubscribe()  # its plain create handler; this one answers like a real node
+    to_scheduler = asyncio.Event()
+
+    async def on_create(m):
+        req = json.loads(m.data)
+        now = __import__("time").time()
+        info = {"id": req["sandbox_id"], "node": n.name, "state": "running", "substrate": "container", "image": "busybox",
+                "created_at": now, "expires_at": now + 600, "cpu": req["spec"].get("cpu", 1.0),
+                "memory_mb": req["spec"].get("memory_mb", 256)}
+        assert req.get("reply_to")
+        await nc.publish(req["reply_to"], json.dumps({"ok": True, "sandbox": info}).encode())
+        await to_scheduler.wait()  # the scheduler hears of it only later
+        await m.respond(json.dumps({"ok": True, "sandbox": info, "replied": True}).encode())
+
+    n.subs.append(await nc.subscribe(f"corral.node.{n.name}.create", cb=on_create))
+    r = await create(nc, memory_mb=64, placement="pack")
+    assert r["ok"] and r["sandbox"]["node"] == n.name, r
+    sid = r["sandbox"]["id"]
+
+    async def on_exec(m):  # the node's sandbox: its answer takes a moment
+        await asyncio.sleep(0.3)
+        await m.respond(json.dumps({"ok": True, "result": {"exit_code": 0, "stdout": "from the node"}}).encode())
+
+    sub = await nc.subscribe(f"corral.v1.sandbox.{sid}.>", cb=on_exec)
+    call = asyncio.ensure_future(nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10))
+    await asyncio.sleep(0.1)  # the race this is about: the call is at the scheduler before the node's answer
+    to_scheduler.set()
+    r = json.loads((await call).data)
+    assert r["ok"] and r["result"]["stdout"] == "from the node", r
+    await sub.unsubscribe()
+    listed = json.loads((await nc.request("corral.v1.sandbox.list", json.dumps({"node": n.name}).encode(), timeout=5)).data)
+    assert [s["id"] for s in listed["sandboxes"]] == [sid]
+
+
 async def test_two_replicas_race_on_the_same_batch(bus, sched):
     nc, node = bus
     await node("race-a", cpu=64.0, memory_mb=100_000)
@@ -174,3 +258,35 @@ async def test_two_replicas_race_on_the_same_batch(bus, sched):
     finally:
         replica.terminate()
         replica.wait(timeout=30)
+
+
+async def test_concurrent_creates_do_not_overshoot_a_node():
+    """Six creates at once onto a real node-agent with room for two (as several scheduler
+    replicas, each with its own view, could send them): the node counts the creates it has
+    accepted and not finished, so two are made and four refused with `capacity`; the same for
+    the items of a node batch, which are made a few at a time."""
+    import secrets
+
+    async with running_stack(nodes=1, monitor=False, env_builder=False, node_args=["--memory-mb", "256"]) as s:
+        nc = await nats.connect(s.url)
+        try:
+            spec = {"image": "busybox", "cpu": 0.1, "memory_mb": 128}
+            ids = [f"sb-{secrets.token_hex(6)}" for _ in range(6)]
+            replies = await asyncio.gather(*(nc.request("corral.node.node-1.create", json.dumps(
+                {"sandbox_id": sid, "spec": spec}).encode(), timeout=60) for sid in ids))
+            res = [json.loads(r.data) for r in replies]
+            made = [r["sandbox"]["id"] for r in res if r["ok"]]
+            assert len(made) == 2, res
+            assert [r["error"]["code"] for r in res if not r["ok"]] == ["capacity"] * 4, res
+            for sid in made:
+                r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)
+                assert r["ok"], r
+            items = [{"sandbox_id": f"sb-{secrets.token_hex(6)}", "spec": spec} for _ in range(6)]
+            r = json.loads((await nc.request("corral.node.node-1.create_batch", json.dumps({"items": items}).encode(),
+                                             timeout=60)).data)
+            oks = [x["sandbox"]["id"] for x in r["results"] if x["ok"]]
+            assert len(oks) == 2 and [x["error"]["code"] for x in r["results"] if not x["ok"]] == ["capacity"] * 4, r
+            for sid in oks:
+                assert json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)["ok"]
+        finally:
+            await nc.close()

@@ -293,9 +293,15 @@ class Heartbeat(Struct, kw_only=True):
     warm: dict[str, int] = {}  # image -> warm-pool sandboxes ready to be claimed on this node
 
 
-class NodeCreate(Struct, kw_only=True):
+class NodeCreate(Struct, kw_only=True, omit_defaults=True):
+    """scheduler -> `corral.node.<node>.create`. With `reply_to` (the client's reply inbox), a
+    node that made the sandbox answers the client there itself, then answers the scheduler with
+    `"replied": true` (the scheduler then only records the placement). Optional: a node that
+    ignores it (older node-agents) answers the scheduler only, and the scheduler relays."""
+
     sandbox_id: str
     spec: SandboxSpec
+    reply_to: str = ""
 
 
 class NodeCreateBatch(Struct, kw_only=True):

@@ -58,6 +58,7 @@ class Stack:
     monitor: bool = True  # the monitor, with ClickHouse embedded at <data_dir>/monitor.db
     env_builder: bool = True  # the env-builder (`corral.v1.env.*`)
     env_builder_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)  # extra scheduler arguments (e.g. --stale-after-s)
     procs: list[Proc] = field(default_factory=list)
 
     @property
@@ -123,7 +124,7 @@ class Stack:
                     f"http://127.0.0.1:{port}/metrics")
         await self._wait_request("corral.v1.image.inspect", b'{"name": "busybox"}', timeout)
         port = self._mport(0)
-        self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.url, "--metrics-port", str(port)],
+        self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.url, "--metrics-port", str(port), *self.scheduler_args],
                     f"http://127.0.0.1:{port}/metrics")
         if self.monitor:
             port = self._mport(2)

@@ -18,6 +18,7 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
 
 from corral_common import bus, logs, metrics, subjects
 from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
@@ -35,7 +36,7 @@ from . import confine
 from .audit_files import FileActivity
 from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
-from .batchcreate import BatchCreate
+from .batchcreate import BatchCreate, clean_claims
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
 from .usage import Observed, UsageTracker
@@ -65,6 +66,8 @@ RUN_SECONDS = metrics.histogram(
 DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to destroy a sandbox", ("node", "substrate"))
 FILE_ACTIVITY_MODE = metrics.counter("corral_file_activity_watches_total", "Sandbox roots watched for file activity, by fanotify mode",
                                      ("node", "mode"))
+WRITTEN_BACK = "placement written back after the node was declared lost"
+WRITE_BACK_AGAIN_S = 3.0  # the second write-back, past a delete that was still on its way
 EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
 LIMITS_DELAY_S = 0.2  # OOM kills / pids-limit hits are looked for this long after an exec ends
 
@@ -119,6 +122,9 @@ class NodeAgent:
         self.substrate_of: dict[str, Substrate] = {}
         self.destroying: set[str] = set()
         self.runs: dict[object, SandboxSpec] = {}  # one-shot runs in flight (capacity)
+        # creates accepted and not finished: they count against the node's room like its sandboxes
+        # (six concurrent creates onto room for two must make two)
+        self.creating: dict[str, SandboxSpec] = {}
         self.capacity = NodeCapacity(
             cpu=cfg.cpu or float(os.cpu_count() or 1),
             memory_mb=cfg.memory_mb or int(_mem_total_mb() * 0.9),
@@ -145,6 +151,8 @@ class NodeAgent:
         # checked together LIMITS_DELAY_S later, off the exec path (or at destroy, if sooner)
         self.limits_due: dict[str, tuple[Sandbox, Substrate, list[str]]] = {}
         self.limits_timer: asyncio.TimerHandle | None = None
+        self.adopted = 0  # sandboxes adopted at start (their placements are checked after the first heartbeat)
+        self.write_back_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ start / stop
 
@@ -178,7 +186,11 @@ class NodeAgent:
         self.audit.enabled = self.cfg.audit
         self.audit.start()
         self.traj = await TrajectoryLog(self.js).open()
+        # the scheduler declared this node lost (it missed our heartbeats: paused, overloaded,
+        # restarting) and deleted our placements: write back those of the sandboxes still alive
+        await self.nc.subscribe(subjects.node_event(self.node, "lost"), cb=self._on_declared_lost)
         await self._reconcile()
+        await clean_claims(self)  # batch claims of creates a killed predecessor never finished
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
         await self.responder.serve(subjects.node_create_batch(self.node), BatchCreate(self).handle, "create_batch")
         await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")
@@ -331,17 +343,17 @@ class NodeAgent:
                 pass
         return out
 
-    async def _watch_activity(self, sb: Sandbox, sub: Substrate) -> None:
+    async def _watch_activity(self, sb: Sandbox, sub: Substrate, inline: bool = False) -> None:
         """Start reporting the sandbox's file activity (its root filesystem's superblock)."""
         root = sub.audit_root(sb)
         if root is not None:
-            await self._add_activity(sb.id, root)
+            await self._add_activity(sb.id, root, inline)
 
-    async def _add_activity(self, sid: str, root: str) -> None:
+    async def _add_activity(self, sid: str, root: str, inline: bool = False) -> None:
         if self.activity is None:
             return
         try:
-            mode = await asyncio.to_thread(self.activity.add, sid, root)
+            mode = self.activity.add(sid, root) if inline else await asyncio.to_thread(self.activity.add, sid, root)
             FILE_ACTIVITY_MODE.labels(self.node, mode).inc()
         except OSError as e:
             logs.kv(log, logging.WARNING, "file activity of this sandbox is not audited", sandbox=sid, error=str(e))
@@ -441,6 +453,7 @@ class NodeAgent:
         for name, sub in self.substrates.items():
             adopted, report = await sub.reconcile()
             take = getattr(sub, "take_notify_fd", None)
+            self.adopted += len(adopted)
             for sb in adopted:
                 nfd = take(sb) if take is not None and self.seccomp is not None else None
                 if nfd is not None:
@@ -497,7 +510,7 @@ class NodeAgent:
     def _pool_may_grow(self) -> bool:
         """Warm sandboxes only while the node has room: accepting, under its sandbox count, and
         observed memory under 80% of what it offers (their memory is real)."""
-        return (self.accepting and len(self.sandboxes) + (self.pool.count() if self.pool else 0) < self.capacity.sandboxes
+        return (self.accepting and self._held() + (self.pool.count() if self.pool else 0) < self.capacity.sandboxes
                 and self.observed_mem_mb < self.capacity.memory_mb * 0.8)
 
     async def _claim_warm(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox | None:
@@ -516,11 +529,17 @@ class NodeAgent:
         return ok(node=self.node, sandboxes=len(self.sandboxes))
 
     def _requested(self) -> tuple[float, int]:
-        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values())
-        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values())
+        """CPU and memory requested by the node's sandboxes and the creates it has accepted."""
+        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values()) + sum(s.cpu for s in self.creating.values())
+        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values()) + sum(s.memory_mb for s in self.creating.values())
         return cpu, mem
 
-    async def _on_create(self, msg: Msg) -> bytes:
+    def _held(self) -> int:
+        return len(self.sandboxes) + len(self.creating)
+
+    async def _on_create(self, msg: Msg) -> bytes | None:
+        """`corral.node.<node>.create` (and each item of a node batch). None when the reply was
+        published here already (NodeCreate.reply_to: the client's answer goes straight to it)."""
         req = bus.decode(msg.data, NodeCreate)
         spec = req.spec
         if not self.accepting:
@@ -528,13 +547,25 @@ class NodeAgent:
         sub = self.substrates.get(spec.substrate)
         if sub is None:
             raise InvalidRequest(f"substrate {spec.substrate!r} is not available on node {self.node}; available: {', '.join(self.substrates)}")
-        cpu, mem = self._requested()
-        cpu_cap = self.capacity.cpu * self.capacity.cpu_overcommit_max
-        if len(self.sandboxes) >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
-            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes, {cpu:g}/{cpu_cap:g} cpu, "
-                           f"{mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
         if req.sandbox_id in self.sandboxes:
             return ok(sandbox=self.sandboxes[req.sandbox_id].info)
+        if req.sandbox_id in self.creating:
+            raise Unavailable(f"sandbox {req.sandbox_id} is already being created on node {self.node}", retry_after_s=0.5)
+        # the check and the booking happen with no await in between: concurrent creates each see
+        # the ones accepted before them
+        cpu, mem = self._requested()
+        n = self._held()
+        cpu_cap = self.capacity.cpu * self.capacity.cpu_overcommit_max
+        if n >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
+            raise Capacity(f"node {self.node} is full ({len(self.sandboxes)} sandboxes and {len(self.creating)} being created, "
+                           f"{cpu:g}/{cpu_cap:g} cpu, {mem}/{self.capacity.memory_mb} MiB requested)", retry_after_s=1)
+        self.creating[req.sandbox_id] = spec
+        try:
+            return await self._create(msg, req, spec, sub)
+        finally:
+            self.creating.pop(req.sandbox_id, None)
+
+    async def _create(self, msg: Msg, req: NodeCreate, spec: SandboxSpec, sub: Substrate) -> bytes | None:
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
@@ -565,13 +596,32 @@ class NodeAgent:
                 if isinstance(e, CorralError):
                     raise
                 raise InvalidRequest(f"could not plant canaries or protect paths: {e}") from None
-        await self._watch_activity(sb, sub)
-        self._check_limits(sb, sub)
-        await self._register(sb, sub)
+        # on the loop when nothing of this sandbox carries a permission mark (opening its root
+        # cannot wait on this loop's answer): a thread hop costs more than the marks
+        await self._watch_activity(sb, sub, inline=not (spec.canaries or spec.protected_paths))
+        self.creating.pop(sb.id, None)  # from here on it counts as a sandbox
+        await self._register(sb, sub)  # serves corral.v1.sandbox.<id>.> before anyone hears of it
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
+        body = ok(sandbox=sb.info)
+        reply = getattr(msg, "reply", "")
+        direct = bool(req.reply_to and reply)
+        if direct:
+            # the client's answer goes straight to it; the scheduler hears first (same flush) that
+            # it was given, and only records the placement
+            try:
+                await self.nc.publish(reply, body[:-1] + b',"replied":true}')
+                await self.nc.publish(req.reply_to, body)
+            except Exception:
+                log.warning("could not publish the create reply", extra={"fields": {"sandbox": sb.id}})
+            await asyncio.sleep(0)  # the flusher writes both before the bookkeeping below
+        try:
+            sub.settle(sb)
+        except Exception:
+            log.exception("create bookkeeping failed", extra={"fields": {"sandbox": sb.id}})
+        self._check_limits(sb, sub)
         await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
         await self._event(sb, "ready")
-        return ok(sandbox=sb.info)
+        return None if direct else body
 
     async def _on_run(self, msg: Msg) -> None:
         """`corral.node.<node>.run` (from the scheduler's `corral.v1.sandbox.run`): a fresh sandbox,
@@ -592,7 +642,7 @@ class NodeAgent:
         cpu, mem = self._requested()
         cpu += sum(s.cpu for s in self.runs.values())
         mem += sum(s.memory_mb for s in self.runs.values())
-        n = len(self.sandboxes) + len(self.runs)
+        n = self._held() + len(self.runs)
         cpu_cap = self.capacity.cpu * getattr(self.capacity, "cpu_overcommit_max", 1.0)
         if n >= self.capacity.sandboxes or cpu + spec.cpu > cpu_cap + 1e-9 or mem + spec.memory_mb > self.capacity.memory_mb:
             raise Capacity(f"node {self.node} is full ({n} sandboxes and calls, {cpu:g}/{cpu_cap:g} cpu, "
@@ -978,7 +1028,7 @@ class NodeAgent:
         cpu, mem = self._requested()
         hb = Heartbeat(
             node=self.node, ts=time.time(), capacity=self.capacity,
-            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=len(self.sandboxes),
+            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=self._held(),
                             requested_cpu=cpu, requested_memory_mb=mem,
                             pooled=self.pool.count() if self.pool else 0, per_sandbox=self.observed.per_sandbox, per_sandbox_omitted=self.observed.omitted),
             substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
@@ -994,13 +1044,67 @@ class NodeAgent:
         """Heartbeats go out every heartbeat_s whatever else the node is doing: usage is sampled
         by its own task on its own thread, and a heartbeat carries the latest sample. (When the
         sampling waited on the shared thread pool, a node destroying 2,000 sandboxes queued it
-        behind their teardowns, stopped heartbeating and was declared lost.)"""
+        behind their teardowns, stopped heartbeating and was declared lost.)
+
+        After the first heartbeat of an agent that adopted sandboxes, and after a gap in our own
+        heartbeats long enough for the scheduler to have declared the node lost (the process was
+        stopped or starved; the lost event itself may have been missed over a reconnect), the
+        placements of live sandboxes are checked and written back where they are missing."""
         collecting: asyncio.Task | None = None
+        first = True
+        last = time.monotonic()
         while True:
             if collecting is None or collecting.done():
                 collecting = asyncio.ensure_future(self._collect_usage_safe())
             await self._publish_heartbeat()
+            now = time.monotonic()
+            if (first and self.adopted) or now - last > max(3 * self.cfg.heartbeat_s, 2.0):
+                self._spawn(self._write_back())
+            first, last = False, now
             await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _on_declared_lost(self, msg: Msg) -> None:
+        logs.kv(log, logging.WARNING, "the scheduler declared this node lost; writing placements back", node=self.node,
+                sandboxes=len(self.sandboxes))
+        self._spawn(self._write_back())
+
+    async def _write_back(self) -> None:
+        """Write the placements of live sandboxes back to KV where they are missing (a scheduler
+        deleted them when it declared the node lost), each announced with a `ready` event. Done
+        twice, WRITE_BACK_AGAIN_S apart, in case a delete was still on its way the first time."""
+        async with self.write_back_lock:
+            for round_ in range(2):
+                if round_:
+                    await asyncio.sleep(WRITE_BACK_AGAIN_S)
+                if not self.accepting:
+                    return
+                written = []
+                for sid, sb in list(self.sandboxes.items()):
+                    if sid in self.destroying:
+                        continue
+                    await self._placement_written(sid)
+                    try:
+                        e = await self.placements.get(sid)
+                        if e is not None and e.value and _info_node(e.value) == self.node:
+                            continue
+                        if e is not None and e.value:
+                            logs.kv(log, logging.WARNING, "placement names another node; not overwritten", sandbox=sid)
+                            continue
+                    except KeyNotFoundError:
+                        pass
+                    except Exception as e:
+                        logs.kv(log, logging.WARNING, "placement not checked", sandbox=sid, error=str(e))
+                        continue
+                    if sid not in self.sandboxes or sid in self.destroying:
+                        continue  # destroyed meanwhile: its delete must stay the last word
+                    self._record_placement(sb)  # ordered with later writes and the destroy's delete
+                    written.append(sb)
+                for sb in written:
+                    await self._placement_written(sb.id)
+                    if sb.id in self.sandboxes:
+                        await self._event(sb, "ready", reason=WRITTEN_BACK)
+                if written:
+                    logs.kv(log, logging.WARNING, "placements written back", node=self.node, sandboxes=len(written), round=round_ + 1)
 
     async def _collect_usage_safe(self) -> None:
         try:
@@ -1044,3 +1148,17 @@ def _limit_counters(sb: Sandbox, sub: Substrate) -> tuple[int, int, str] | None:
         return sub.limit_counters(sb)
     except Exception:
         return None
+
+
+class _NodeOf(msgspec.Struct, forbid_unknown_fields=False):
+    node: str = ""
+
+
+_node_of = msgspec.json.Decoder(_NodeOf)
+
+
+def _info_node(data: bytes) -> str:
+    try:
+        return _node_of.decode(data).node
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""

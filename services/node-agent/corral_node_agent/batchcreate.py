@@ -9,18 +9,24 @@ fail the others.
 Before an item is made it claims its placement key with a KV create (compare-and-set on "no such
 key"). Batch items have ids derived from the batch's request_id, so a retried batch (its scheduler
 replica died mid-way) may ask another node for an item this node already made or is making: the
-claim fails there and the item is answered `conflict` instead of being made twice."""
+claim fails there and the item is answered `conflict` instead of being made twice.
+
+While an item's create runs, its claim is also noted on disk (`<node state>/claims/<id>`, the
+claim's bytes): an agent killed mid-batch leaves `creating` claims in KV that nothing would ever
+remove; the next agent on the node removes them at start (`clean_claims`), each with a
+compare-and-set delete that only succeeds while the key still holds that very claim."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, subjects
 from corral_common.errors import CorralError
-from corral_common.messages import NodeCreate, NodeCreateBatch, SandboxInfo, encoder, error, ok
+from corral_common.messages import Event, NodeCreate, NodeCreateBatch, SandboxInfo, encoder, error, ok
 
 log = logging.getLogger("corral.node-agent")
 
@@ -36,9 +42,72 @@ class _ItemMsg:
         self.data = data
 
 
+def claims_dir(agent) -> str:
+    return f"{agent.state_dir}/claims"
+
+
+def _note(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.rename(tmp, path)
+
+
+def _unnote(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+async def clean_claims(agent) -> list[str]:
+    """At agent start, after adoption: the claims a killed predecessor left. A claim whose sandbox
+    was adopted is just forgotten (adoption wrote its placement); any other is deleted from KV if
+    the key still holds exactly that claim (compare-and-set on its revision: a placement written
+    since, by this node or another, stays). Returns the ids whose claims were removed."""
+    d = claims_dir(agent)
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        path = f"{d}/{name}"
+        if name.endswith(".tmp"):
+            _unnote(path)
+            continue
+        try:
+            with open(path, "rb") as f:
+                claim = f.read()
+        except OSError:
+            continue
+        if name not in agent.sandboxes:
+            try:
+                e = await agent.placements.get(name)
+                if e is not None and e.value == claim:
+                    await agent.placements.delete(name, last=e.revision)
+                    removed.append(name)
+            except KeyNotFoundError:
+                pass
+            except KeyWrongLastSequenceError:
+                pass  # written meanwhile: not ours to remove
+            except Exception as e:
+                logs.kv(log, logging.WARNING, "leftover claim not removed", sandbox=name, error=str(e))
+                continue  # keep the note: the next start tries again
+        _unnote(path)
+    for sid in removed:
+        await agent._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=sid, node=agent.node,
+                                         reason="create interrupted: the node-agent stopped mid-batch; claim removed"))
+    if removed:
+        logs.kv(log, logging.WARNING, "leftover batch claims removed", node=agent.node, sandboxes=removed)
+    return removed
+
+
 class BatchCreate:
     def __init__(self, agent, parallel: int = 4):
         self.agent = agent
+        self.notes = claims_dir(agent)
+        os.makedirs(self.notes, exist_ok=True)
         self.slots = asyncio.Semaphore(parallel)  # per node, across concurrent batch requests
         self.inflight: dict[str, asyncio.Future] = {}
 
@@ -78,26 +147,38 @@ class BatchCreate:
             claim = SandboxInfo(id=sid, node=agent.node, state="creating", substrate=spec.substrate, image=spec.image,
                                 created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
                                 cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
+            data = encoder.encode(claim)
+            note = f"{self.notes}/{sid}"
+            _note(note, data)  # before the claim exists: a kill at any point leaves the note
             try:
-                await agent.placements.create(sid, encoder.encode(claim))
+                await agent.placements.create(sid, data)
             except KeyWrongLastSequenceError:
+                _unnote(note)
                 if sid in agent.sandboxes:
                     return ok(sandbox=agent.sandboxes[sid].info)
                 ITEMS.labels(agent.node, "conflict").inc()
                 return error("conflict", f"sandbox {sid} is already placed on another node (a repeated batch item)")
-            try:
-                out = await agent._on_create(_ItemMsg(encoder.encode(item)))
-            except CorralError as e:
-                await self._unclaim(sid)
-                ITEMS.labels(agent.node, e.code.value).inc()
-                return error(e.code.value, e.message, e.retry_after_s)
-            except Exception as e:  # a bug: this item fails, the others go on
-                await self._unclaim(sid)
-                log.exception("batch item failed", extra={"fields": {"sandbox": sid}})
-                ITEMS.labels(agent.node, "internal").inc()
-                return error("internal", f"internal error creating {sid} on node {agent.node} ({type(e).__name__}: {e})")
-            ITEMS.labels(agent.node, "ok").inc()
+            # any other error (its ack lost: the claim may exist) or a cancellation (the agent is
+            # stopping) leaves the note, and the next start removes the claim if it is still there
+            out = await self._make(item)
+            _unnote(note)
             return out
+
+    async def _make(self, item: NodeCreate) -> bytes:
+        agent, sid = self.agent, item.sandbox_id
+        try:
+            out = await agent._on_create(_ItemMsg(encoder.encode(item)))
+        except CorralError as e:
+            await self._unclaim(sid)
+            ITEMS.labels(agent.node, e.code.value).inc()
+            return error(e.code.value, e.message, e.retry_after_s)
+        except Exception as e:  # a bug: this item fails, the others go on
+            await self._unclaim(sid)
+            log.exception("batch item failed", extra={"fields": {"sandbox": sid}})
+            ITEMS.labels(agent.node, "internal").inc()
+            return error("internal", f"internal error creating {sid} on node {agent.node} ({type(e).__name__}: {e})")
+        ITEMS.labels(agent.node, "ok").inc()
+        return out
 
     async def _unclaim(self, sid: str) -> None:
         if sid in self.agent.sandboxes:

@@ -19,6 +19,7 @@ def main(
     metrics_host: str = typer.Option("127.0.0.1"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     node_timeout_s: float = typer.Option(30.0),
+    stale_after_s: float = typer.Option(5.0, help="a node not heard from for this long is declared lost"),
     cpu_overcommit: float = typer.Option(config.env_float("CORRAL_CPU_OVERCOMMIT", 8.0),
                                          help="CPU requests may add up to this multiple of a node's cores"),
     hot_cpu: float = typer.Option(0.85, help="stop placing on a node whose observed CPU use exceeds this share of its cores"),
@@ -26,7 +27,7 @@ def main(
 ) -> None:
     logs.setup("scheduler", log_level)
     cfg = SchedulerConfig(nats_url=config.nats_url(nats), metrics_host=metrics_host, metrics_port=metrics_port,
-                          node_timeout_s=node_timeout_s, cpu_overcommit=cpu_overcommit, hot_cpu=hot_cpu)
+                          node_timeout_s=node_timeout_s, stale_after_s=stale_after_s, cpu_overcommit=cpu_overcommit, hot_cpu=hot_cpu)
 
     async def run() -> None:
         stop = asyncio.Event()

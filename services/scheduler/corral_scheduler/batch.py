@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import heapq
+import json
 import time
 
 import msgspec
@@ -41,12 +42,29 @@ def default_batch_id(request_id: str) -> str:
     return "b" + hashlib.sha256(request_id.encode()).hexdigest()[:20]
 
 
-class BatchRecord(msgspec.Struct, kw_only=True):
-    """What a finished attempt of a batch left (in `corral_requests`): its size and the items it
-    could not make; every other item was made."""
+class BatchRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What an attempt of a batch left (in `corral_requests`): its size, the digest of its spec
+    and, once it is done, the items it could not make (every other item was made). An attempt
+    writes it when it starts (`done: false`, so a concurrent or later attempt with another spec or
+    count is refused) and again when it ends."""
 
     count: int
     failed: list[int] = []
+    digest: str = ""  # spec_digest of the batch's spec ("" in records written before digests)
+    done: bool = True
+
+
+def spec_digest(spec: SandboxSpec) -> str:
+    """A digest of what a batch asks for, independent of how the request spelt it (key order,
+    defaults given or left out)."""
+    body = json.dumps(msgspec.to_builtins(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def describe(spec: SandboxSpec) -> str:
+    b = msgspec.to_builtins(spec)
+    b.pop("request_id", None)
+    return json.dumps(b, sort_keys=True)[:300]
 
 
 def slots(st: NodeState, spec: SandboxSpec, policy: Policy) -> int:

@@ -36,6 +36,7 @@ class NodeState:
     hb: Heartbeat
     seen: float
     reservations: list[Reservation] = field(default_factory=list)
+    interval: float = 1.0  # the node's heartbeat interval, as observed (smoothed)
 
     def reserved(self) -> tuple[float, int, int]:
         return (
@@ -95,8 +96,11 @@ class Registry:
             return
         if hb.stopping != st.hb.stopping:
             self._alive_at = 0.0
+        now = time.monotonic()
+        gap = min(max(now - st.seen, 0.01), self.stale_after_s)
+        st.interval = 0.8 * st.interval + 0.2 * gap
         st.hb = hb
-        st.seen = time.monotonic()
+        st.seen = now
         # reservations answered before this heartbeat was taken are now in its usage
         st.reservations = [r for r in st.reservations if r.done_at is None or r.done_at > hb.ts]
 
@@ -108,6 +112,16 @@ class Registry:
             self._alive = [s for s in self.nodes.values() if not s.hb.stopping and now - s.seen <= self.stale_after_s]
             self._alive_at = now
         return self._alive
+
+    def is_alive(self, node: str) -> bool:
+        """Whether `node` was heard from recently and is not stopping, as of now (not cached:
+        for deciding whether a node can still answer for itself)."""
+        st = self.nodes.get(node)
+        return st is not None and not st.hb.stopping and time.monotonic() - st.seen <= self.stale_after_s
+
+    def interval(self, node: str) -> float:
+        st = self.nodes.get(node)
+        return st.interval if st is not None else 1.0
 
     def substrates(self) -> set[str]:
         out: set[str] = set()

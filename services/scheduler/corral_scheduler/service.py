@@ -48,12 +48,14 @@ class QuotaGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     job: str
 ONE_SHOT_SUBSTRATES = {"function"}
 RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
+LOST_MEMORY_S = 600.0  # how long a lost node's sandboxes are remembered (for orphan answers)
 
 
 class _Reply(msgspec.Struct):
     ok: bool
     sandbox: SandboxInfo | None = None
     error: dict | None = None
+    replied: bool = False  # the node answered the client itself (NodeCreate.reply_to)
 
 
 def _node_error(r: _Reply) -> CorralError:
@@ -69,6 +71,7 @@ class _BatchReply(msgspec.Struct):
 
 
 _batch_reply_decoder = msgspec.json.Decoder(_BatchReply)
+_reply_decoder = msgspec.json.Decoder(_Reply)
 _info_decoder = msgspec.json.Decoder(SandboxInfo)
 
 
@@ -97,6 +100,12 @@ class Scheduler:
         self.kv_node_put: dict[str, float] = {}
         self.pending: dict[str, Usage] = {}
         self.tasks: set[asyncio.Task] = set()
+        # sandboxes whose placements this replica deleted when their node was declared lost:
+        # id -> (node, when); a call to one waits for the node to show up again before `not_found`
+        self.lost_recent: dict[str, tuple[str, float]] = {}
+        # creates this replica is placing (set when the node's answer is recorded): the node may
+        # have answered the client directly, whose next call must not be answered `not_found`
+        self.placing: dict[str, asyncio.Event] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         self.metrics_url = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
@@ -183,11 +192,17 @@ class Scheduler:
 
     async def _lost_node_loop(self) -> None:
         """A node that stops heartbeating is lost: its sandboxes are reported lost and dropped from
-        the placements, so calls to them get `not_found` and new work goes elsewhere. If the node
-        comes back, its agent re-registers whatever it adopts."""
+        the placements, so calls to them get `not_found` and new work goes elsewhere.
+
+        `corral.events.node.<node>.lost` goes out only after the placements are deleted: a node
+        that was alive all along (paused, overloaded, its agent restarting) hears it and writes
+        its live sandboxes' placements back, and no delete of ours can land after that."""
         lost: set[str] = set()
         while True:
             await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for sid in [s for s, (_, t) in self.lost_recent.items() if now - t > LOST_MEMORY_S]:
+                del self.lost_recent[sid]
             alive = {s.hb.node for s in self.registry.alive()}
             for node, st in list(self.registry.nodes.items()):
                 if node in alive:
@@ -199,8 +214,8 @@ class Scheduler:
                 # by the per-node index: scanning 380,000 placements per lost node stalls the loop
                 victims = [self.placed[sid] for sid in list(self.by_node.get(node, ())) if sid in self.placed]
                 logs.kv(log, logging.WARNING, "node lost", node=node, sandboxes=len(victims))
-                await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
                 for info in victims:
+                    self.lost_recent[info.id] = (node, now)
                     await self.nc.publish(subjects.event(info.id, "lost"), encoder.encode(
                         {"kind": "lost", "ts": time.time(), "sandbox_id": info.id, "node": node, "job": info.job,
                          "reason": f"node {node} stopped heartbeating"}))
@@ -208,6 +223,7 @@ class Scheduler:
                         await self.kv_placements.delete(info.id)
                     except Exception:
                         pass
+                await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
 
     async def _watch_quotas(self) -> None:
         async for e in self.quota_watcher:
@@ -271,6 +287,8 @@ class Scheduler:
             self.pending.pop(spec.job, None)
 
     def _set_placed(self, info: SandboxInfo) -> None:
+        if self.lost_recent:
+            self.lost_recent.pop(info.id, None)
         old = self.placed.get(info.id)
         self.placed[info.id] = info
         if old is not None:
@@ -311,10 +329,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ create
 
-    async def _on_create(self, msg: Msg) -> bytes:
+    async def _on_create(self, msg: Msg) -> bytes | None:
+        """`corral.v1.sandbox.create`. The node is asked to answer the client directly (one hop
+        less on a create's path: client -> scheduler -> node -> client); if it did, this replica
+        only records the placement, otherwise it relays the node's answer."""
         spec = bus.decode(msg.data, SandboxSpec)
-        info = await self.create(spec)
-        return ok(sandbox=info)
+        box: list[bool] = []
+        info = await self.create(spec, reply_to=msg.reply or "", replied=box)
+        return None if box else ok(sandbox=info)
 
     def _check_substrate(self, spec: SandboxSpec, one_shot: bool = False) -> None:
         if spec.substrate in ONE_SHOT_SUBSTRATES and not one_shot:
@@ -327,19 +349,21 @@ class Scheduler:
         if have and spec.substrate not in have:
             raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")
 
-    async def create(self, spec: SandboxSpec, admitted: bool = False) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, admitted: bool = False, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+        """Place one sandbox. With `reply_to`, the node that makes it may answer there itself; it
+        did if `replied` (a list) comes back holding True."""
         self._check_substrate(spec)
         if not admitted:
             self._admit(spec, 1)
         try:
-            return await self._create(spec)
+            return await self._create(spec, reply_to, replied)
         finally:
             if not admitted:
                 self._settle(spec)
 
-    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def _create(self, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
         if not spec.request_id:
-            return await self._place(new_id(), spec)
+            return await self._place(new_id(), spec, reply_to, replied)
         key = "r" + hashlib.sha256(spec.request_id.encode()).hexdigest()[:40]
         sid = new_id()
         try:
@@ -351,7 +375,7 @@ class Scheduler:
                 return await self._existing(key, spec.request_id)
             raise
         try:
-            return await self._place(sid, spec)
+            return await self._place(sid, spec, reply_to, replied)
         except BaseException:
             try:
                 await self.kv_requests.delete(key)  # let a retry try again
@@ -382,13 +406,21 @@ class Scheduler:
             await asyncio.sleep(0.02)
         raise CorralError(f"request_id {request_id!r} is still being placed by another attempt", Code.TIMEOUT)
 
-    async def _place(self, sid: str, spec: SandboxSpec) -> SandboxInfo:
+    async def _place(self, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+        done = self.placing[sid] = asyncio.Event()
+        try:
+            return await self._place_on_a_node(sid, spec, reply_to, replied)
+        finally:
+            self.placing.pop(sid, None)
+            done.set()
+
+    async def _place_on_a_node(self, sid: str, spec: SandboxSpec, reply_to: str, replied: list | None) -> SandboxInfo:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
         for st, res in self._attempts(alive, spec, tried):
             try:
-                info = await self._ask_node(st.hb.node, sid, spec)
+                info = await self._ask_node(st.hb.node, sid, spec, reply_to, replied)
             except CorralError as e:
                 st.reservations.remove(res)
                 if e.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.TIMEOUT):
@@ -423,17 +455,19 @@ class Scheduler:
         return Capacity(f"no node has room for {what} with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
                         f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=retry_after_s)
 
-    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec) -> SandboxInfo:
-        data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec))
+    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+        data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec, reply_to=reply_to))
         try:
             resp = await self.nc.request(subjects.node_create(node), data, timeout=self.cfg.node_timeout_s)
         except NoRespondersError:
             raise Unavailable(f"node {node} is not answering") from None
         except NatsTimeout:
             raise CorralError(f"node {node} did not answer within {self.cfg.node_timeout_s:g}s", Code.TIMEOUT) from None
-        r = msgspec.json.decode(resp.data, type=_Reply)
+        r = _reply_decoder.decode(resp.data)
         if not r.ok or r.sandbox is None:
             raise _node_error(r)
+        if r.replied and replied is not None:
+            replied.append(True)
         return r.sandbox
 
     async def _on_run(self, msg: Msg) -> bytes:
@@ -497,10 +531,12 @@ class Scheduler:
         batch_id = req.batch_id or (batch.default_batch_id(rid) if rid else new_id("batch"))
         ids = [batch.item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]
         results: list[SandboxInfo | CorralError | None] = [None] * req.count
+        digest = batch.spec_digest(spec) if rid else ""
         record = await self._batch_record(rid) if rid else None
-        if record is not None and record.count != req.count:
-            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {req.count}: "
-                           f"use a new request_id for a different batch")
+        if record is not None:
+            self._check_same_batch(rid, record, req.count, digest, spec)
+            if not record.done:
+                record = None  # an attempt that did not finish (its replica died) or is still running
         failed_before = set(record.failed) if record is not None else set()
         todo: list[tuple[int, str]] = []
         for i, sid in enumerate(ids):
@@ -513,6 +549,8 @@ class Scheduler:
                 todo.append((i, sid))
         if todo:
             self._check_batch_room(spec, len(todo))
+            if rid and record is None:
+                await self._start_record(rid, req.count, digest, spec)
             self._admit(spec, len(todo))
         progress = batch.Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid)
         progress.placed = sum(1 for r in results if isinstance(r, SandboxInfo))
@@ -530,7 +568,7 @@ class Scheduler:
         if rid:
             try:
                 await self.kv_requests.put(batch.record_key(rid), msgspec.json.encode(
-                    batch.BatchRecord(count=req.count, failed=[f["index"] for f in failed])))
+                    batch.BatchRecord(count=req.count, failed=[f["index"] for f in failed], digest=digest)))
             except Exception:
                 log.warning("batch record not written", extra={"fields": {"batch_id": batch_id}})
         logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
@@ -539,6 +577,34 @@ class Scheduler:
             first = failed[0]
             raise from_code(first["code"], f"none of the {req.count} sandboxes could be created: {first['message']}")
         return batch.reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
+
+    @staticmethod
+    def _check_same_batch(rid: str, record: batch.BatchRecord, count: int, digest: str, spec: SandboxSpec) -> None:
+        """A request_id names one batch: the same count and spec on every retry."""
+        if record.count != count:
+            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {count}: "
+                           f"use a new request_id for a different batch")
+        if record.digest and record.digest != digest:
+            raise Conflict(f"request_id {rid!r} was used for a batch of {record.count} with a different spec "
+                           f"(this one: {batch.describe(spec)}): a retry must send the same spec; "
+                           f"use a new request_id for a different batch")
+
+    async def _start_record(self, rid: str, count: int, digest: str, spec: SandboxSpec) -> None:
+        """Note the batch's count and spec digest before anything is made, so that a concurrent
+        attempt, or a retry after this replica died, with another spec is refused too."""
+        try:
+            await self.kv_requests.create(batch.record_key(rid), msgspec.json.encode(
+                batch.BatchRecord(count=count, digest=digest, done=False)))
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as e:
+            if "wrong last sequence" not in str(e).lower() and "key exists" not in str(e).lower():
+                log.warning("batch record not written", extra={"fields": {"request_id": rid, "error": str(e)}})
+                return
+        other = await self._batch_record(rid)  # another attempt wrote one first
+        if other is not None:
+            self._check_same_batch(rid, other, count, digest, spec)
 
     async def _batch_record(self, rid: str) -> batch.BatchRecord | None:
         try:
@@ -736,22 +802,46 @@ class Scheduler:
         sid = parts[3]
         if not msg.reply:
             return
-        if sid in self.placed:
-            node = self.placed[sid].node
-            if node in {s.hb.node for s in self.registry.alive()}:
-                return  # owned by a live node: it answers
+        info = self.placed.get(sid)
+        if info is None and sid in self.placing:
+            # being placed by this replica: its node may have answered the client directly
+            # before its answer to us was read; decide once it is recorded
+            try:
+                await asyncio.wait_for(self.placing[sid].wait(), self.cfg.node_timeout_s + 5)
+            except (TimeoutError, KeyError):
+                pass
+            info = self.placed.get(sid)
+        if info is None and sid not in self.lost_recent:
+            await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
+            info = self.placed.get(sid)
+        if info is not None:
+            node = info.node
+        elif sid in self.lost_recent:
+            node = self.lost_recent[sid][0]
+        else:
+            for wait in (0.0, 0.25):  # another replica may have placed it, its KV write in flight
+                await asyncio.sleep(wait)
+                if sid in self.placed:
+                    return
+                try:
+                    await self.kv_placements.get(sid)
+                    return  # owned: its node answers
+                except KeyNotFoundError:
+                    pass
+                except Exception:
+                    return
             await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
-                "code": "not_found", "message": f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"}}))
+                "code": "not_found", "message": f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"}}))
             return
-        await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
-        if sid in self.placed:
+        if self.registry.is_alive(node):
+            return  # owned by a live node: it answers
+        # the node looks lost, but it may only have been paused or slow and be answering right
+        # now, its next heartbeat on the way: give it one heartbeat interval before saying no
+        await asyncio.sleep(min(max(self.registry.interval(node), 0.2), self.cfg.stale_after_s))
+        if self.registry.is_alive(node):
             return
-        try:
-            await self.kv_placements.get(sid)
-            return  # owned: its node answers
-        except KeyNotFoundError:
-            pass
-        except Exception:
+        now_info = self.placed.get(sid)
+        if now_info is not None and now_info.node != node and self.registry.is_alive(now_info.node):
             return
         await self.nc.publish(msg.reply, encoder.encode({"ok": False, "error": {
-            "code": "not_found", "message": f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"}}))
+            "code": "not_found", "message": f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"}}))

@@ -67,6 +67,10 @@ class Substrate(abc.ABC):
     @abc.abstractmethod
     async def destroy(self, sb: Sandbox) -> None: ...
 
+    def settle(self, sb: Sandbox) -> None:
+        """Finish the bookkeeping a create left for after its reply (records, runtime state that
+        nothing reads until a later operation). Idempotent; operations that need it call it."""
+
     def snapshot_dir(self, sb: Sandbox) -> AbstractAsyncContextManager[tuple[str, list[str]]]:
         """While entered: the sandbox's writable layer as a directory in overlayfs format
         (whiteouts as 0/0 devices), and the image layers below it. The caller freezes the sandbox

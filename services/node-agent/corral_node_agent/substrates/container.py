@@ -85,6 +85,7 @@ class ContainerSandbox(StayingSandbox):
         super().__init__(info, spec, sdir, cg)
         self.layers = layers
         self.warm_id = ""  # the internal id it had in the warm pool, if it was claimed from there
+        self.unsettled = False  # claimed, and runc's state, config.json and the record still name warm_id
         self.rebase(sdir)
         self.init_pid = init_pid
         # the sandbox's filesystems, through the clones its init holds (see the module docstring)
@@ -286,7 +287,6 @@ class ContainerSubstrate(Substrate):
             # listening socket queues our connections from the moment it is thawed)
             if sb.pidfd is None or readable(sb.pidfd, 0):
                 raise Internal(f"the init of warm sandbox {old_sid} is gone")
-            self._persist(sb)
         except BaseException:
             pidfd, sb.pidfd = sb.pidfd, None
             await asyncio.shield(asyncio.to_thread(self._teardown, old_sid, old_sdir, old_cg, pidfd))
@@ -299,11 +299,35 @@ class ContainerSubstrate(Substrate):
         old, new = sb.id, info.id
         sb.cg = sb.cg.rename(f"{self.cgroup_parent}/{new}")
         sb.cg.set_limits(spec.cpu, spec.memory_mb, spec.pids_max)
-        # runc keeps its state in <root>/<id>/state.json, naming the id, the cgroup paths and
-        # the bundle: rename the dir and rewrite the names so runc pause/resume/delete work.
-        # One path keeps the warm name: the hybrid host's controller-less "unified" (v2)
-        # tracking cgroup, which cgroup v2 cannot rename, and moving init out of it would show
-        # inside the sandbox (its cgroup namespace root is that cgroup); runc delete removes it
+        # the state dir (its mounts move with it; the overlay options name no path in it): exec
+        # and files need it under the new name at once. runc's state, the bundle's config.json
+        # and the record are rewritten by settle(), after the reply (pause, resume and destroy,
+        # the only users of runc's state, settle first)
+        sdir = f"{self.sandboxes_dir}/{new}"
+        os.rename(sb.sdir, sdir)
+        sb.rebase(sdir)
+        sb.unsettled = True
+        if spec.disk_mb != WARM_SPEC.disk_mb:
+            linux.reconfigure(sb.rw, size=f"{spec.disk_mb}m")
+        linux.set_hostname(sb.init_pid, new)
+        if spec.workdir not in ("", "/"):
+            confine.mkdirs(sb.rootfs, spec.workdir)
+        sb.info, sb.spec, sb.warm_id = info, spec, old
+        sb.cg.thaw()
+        sb.paused = False
+
+    def settle(self, sb: Sandbox) -> None:
+        """The rest of a claim: runc keeps its state in <root>/<id>/state.json, naming the id,
+        the cgroup paths and the bundle; rename the dir and rewrite the names so runc pause,
+        resume and delete work. One path keeps the warm name: the hybrid host's controller-less
+        "unified" (v2) tracking cgroup, which cgroup v2 cannot rename, and moving init out of it
+        would show inside the sandbox (its cgroup namespace root is that cgroup); runc delete
+        removes it. Then the bundle's config.json and the sandbox record (adoption after a
+        restart reads it)."""
+        if not isinstance(sb, ContainerSandbox) or not sb.unsettled:
+            return
+        sb.unsettled = False
+        old, new = sb.warm_id, sb.id
         rstate = f"{self.runc_root}/{old}/state.json"
         with open(rstate) as f:
             text = f.read()
@@ -313,22 +337,11 @@ class ContainerSubstrate(Substrate):
             f.write(text)
         os.replace(rstate + ".tmp", rstate)
         os.rename(f"{self.runc_root}/{old}", f"{self.runc_root}/{new}")
-        # the state dir (its mounts move with it; the overlay options name no path in it)
-        sdir = f"{self.sandboxes_dir}/{new}"
-        os.rename(sb.sdir, sdir)
-        sb.rebase(sdir)
-        with open(f"{sdir}/config.json") as f:
+        with open(f"{sb.sdir}/config.json") as f:
             text = f.read()
-        with open(f"{sdir}/config.json", "w") as f:
+        with open(f"{sb.sdir}/config.json", "w") as f:
             f.write(text.replace(old, new))
-        if spec.disk_mb != WARM_SPEC.disk_mb:
-            linux.reconfigure(sb.rw, size=f"{spec.disk_mb}m")
-        linux.set_hostname(sb.init_pid, new)
-        if spec.workdir not in ("", "/"):
-            confine.mkdirs(sb.rootfs, spec.workdir)
-        sb.info, sb.spec, sb.warm_id = info, spec, old
-        sb.cg.thaw()
-        sb.paused = False
+        self._persist(sb)
 
     async def _runc_run(self, sid: str, sdir: str, fds: list[int]) -> int:
         """`runc run -d` with `fds` as init's fds 3, 4, ... (--preserve-fds)."""
@@ -357,6 +370,10 @@ class ContainerSubstrate(Substrate):
 
     async def destroy(self, sb: Sandbox) -> None:
         assert isinstance(sb, ContainerSandbox)
+        try:
+            self.settle(sb)  # runc delete finds the container under its new id
+        except OSError as e:
+            log.warning("claim not settled before destroy", extra={"fields": {"sandbox": sb.id, "error": str(e)}})
         pidfd = unwatch_pidfd(sb)
         for s in sb.sessions.values():
             s.close()
@@ -498,6 +515,7 @@ class ContainerSubstrate(Substrate):
 
     async def pause(self, sb: Sandbox) -> None:
         assert isinstance(sb, ContainerSandbox)
+        self.settle(sb)
         if sb.paused:
             return
         # the v1 freezer gives up ("unable to freeze") when tasks keep forking or sit in the
@@ -518,6 +536,7 @@ class ContainerSubstrate(Substrate):
 
     async def resume(self, sb: Sandbox) -> None:
         assert isinstance(sb, ContainerSandbox)
+        self.settle(sb)
         if not sb.paused:
             return
         await self._runc_simple("resume", sb.id)
