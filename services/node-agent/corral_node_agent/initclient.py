@@ -71,40 +71,36 @@ async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, s
 async def ping(ctl_path: str, timeout: float = 30.0) -> None:
     """Wait until the sandbox's init has exec'd and answers (create waits for this: ready means
     ready, not merely "runc returned")."""
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    try:
-        async with asyncio.timeout(timeout):
-            await loop.sock_connect(sock, ctl_path)
-            await loop.sock_sendall(sock, struct.pack("<I", 4) + b"1\x000\x00")
-            buf = await recv_exactly(sock, 4, "sandbox helper")
-    except (OSError, TimeoutError) as e:
-        raise InitError(f"sandbox helper did not answer: {e!r}") from e
-    finally:
-        sock.close()
-    if struct.unpack("<I", buf)[0] != 1:
-        raise InitError("sandbox helper gave an unexpected ping reply")
+    await _ask(ctl_path, b"1\x000\x00", [], timeout, "did not answer", "gave an unexpected ping reply")
 
 
 async def hold(ctl_path: str, fd: int, timeout: float = 10.0) -> None:
     """Have the sandbox's init keep `fd` (its seccomp notify fd) as fd 6, where a restarted
     node-agent takes it back from (pidfd_getfd)."""
+    await _ask(ctl_path, b"2\x00", [fd], timeout, "did not take the fd", "could not keep the fd")
+
+
+async def _ask(ctl_path: str, payload: bytes, fds: list[int], timeout: float, unreachable: str, refused: str) -> None:
+    """One request whose answer is u32 1 (ping, hold)."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
         async with asyncio.timeout(timeout):
             await loop.sock_connect(sock, ctl_path)
-            await _sendmsg(loop, sock, struct.pack("<I", 2), [fd])
-            await loop.sock_sendall(sock, b"2\x00")
+            header = struct.pack("<I", len(payload))
+            if fds:
+                await _sendmsg(loop, sock, header, fds)
+                await loop.sock_sendall(sock, payload)
+            else:
+                await loop.sock_sendall(sock, header + payload)
             buf = await recv_exactly(sock, 4, "sandbox helper")
     except (OSError, TimeoutError) as e:
-        raise InitError(f"sandbox helper did not take the fd: {e!r}") from e
+        raise InitError(f"sandbox helper {unreachable}: {e!r}") from e
     finally:
         sock.close()
     if struct.unpack("<I", buf)[0] != 1:
-        raise InitError("sandbox helper could not keep the fd")
+        raise InitError(f"sandbox helper {refused}")
 
 
 async def _sendmsg(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, fds: list[int]) -> None:
