@@ -13,7 +13,7 @@ import nats
 
 from corral_sdk import AsyncClient
 
-from ..conftest import make_stack
+from ..conftest import make_stack, running_stack
 from ..leaks import assert_clean, cgroup_parent, cgroups_under, mounts_under
 
 
@@ -34,11 +34,9 @@ async def _wait_node(url: str, node: str, timeout: float = 30) -> None:
 
 
 async def test_kill9_node_agent_then_restart():
-    stack = make_stack(nodes=1)
-    await stack.start()
-    node = "node-1"
-    sdir = f"{stack.data_dir}/nodes/{node}/sandboxes"
-    try:
+    async with running_stack(nodes=1) as stack:
+        node = "node-1"
+        sdir = f"{stack.data_dir}/nodes/{node}/sandboxes"
         c = await AsyncClient.connect(stack.url)
         keep = await c.create(image="busybox", cpu=0.1, memory_mb=32)
         await keep.files.write("/state.txt", "before crash")
@@ -90,10 +88,6 @@ async def test_kill9_node_agent_then_restart():
         await keep.destroy()
         await nc.close()
         await c.close()
-    finally:
-        await stack.stop()
-    assert_clean(stack.data_dir, node)
-    shutil.rmtree(stack.data_dir, ignore_errors=True)
 
 
 async def test_sandbox_that_dies_on_its_own_is_reported_and_cleaned(stack, client):
@@ -241,11 +235,9 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
     still holds that claim) and their notes on disk; finished sandboxes are adopted."""
     import secrets
 
-    stack = make_stack(nodes=1, monitor=False, env_builder=False)
-    await stack.start()
-    node = "node-1"
-    notes = f"{stack.data_dir}/nodes/{node}/claims"
-    try:
+    async with running_stack(nodes=1, monitor=False, env_builder=False) as stack:
+        node = "node-1"
+        notes = f"{stack.data_dir}/nodes/{node}/claims"
         nc = await nats.connect(stack.url)
         kv = await nc.jetstream().key_value("corral_placements")
         creating: list[str] = []
@@ -332,7 +324,3 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
         await kv.delete(taken)
         await c.close()
         await nc.close()
-    finally:
-        await stack.stop()
-    assert_clean(stack.data_dir, node)
-    shutil.rmtree(stack.data_dir, ignore_errors=True)
