@@ -197,7 +197,7 @@ async def bus_alerts(stack):
 
 async def _run_scenario(client, sc: Scenario, sem: asyncio.Semaphore):
     async with sem:
-        sb = await client.create(image=sc.image, cpu=0.5, memory_mb=sc.memory_mb, pids_max=sc.pids_max, ttl_s=600,
+        sb = await client.create(image=sc.image, cpu=0.4, memory_mb=sc.memory_mb, pids_max=sc.pids_max, ttl_s=600,
                                  job=JOB, labels={**sc.labels, "scenario": sc.rule})
         try:
             for path, content in sc.files.items():

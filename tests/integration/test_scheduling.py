@@ -12,6 +12,9 @@ import uuid
 import nats
 import pytest
 
+from corral_common.errors import Capacity
+from corral_sdk import AsyncClient
+
 from ..conftest import running_stack
 from ..simnode import SimNode
 
@@ -290,3 +293,27 @@ async def test_concurrent_creates_do_not_overshoot_a_node():
                 assert json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)["ok"]
         finally:
             await nc.close()
+
+
+async def test_creates_in_flight_are_not_counted_twice():
+    """A node's room is exactly filled by creates, a few at a time, while heartbeats come every 50 ms:
+    a heartbeat taken while creates are in flight must not count them on top of the scheduler's
+    own reservations for them (that made a node with room look full and refuse work), and the
+    create after the last one that fits is refused with `capacity`."""
+    async with running_stack(nodes=1, monitor=False, env_builder=False,
+                             node_args=["--cpu", "1", "--cpu-overcommit", "2", "--heartbeat-s", "0.05"]) as s:
+        c = await AsyncClient.connect(s.url)
+        try:
+            sem = asyncio.Semaphore(4)  # a few at a time: creates are in flight while later ones are placed
+
+            async def one():
+                async with sem:
+                    return await c.create(image="busybox", cpu=0.125, memory_mb=32, ttl_s=300)
+
+            made = await asyncio.gather(*(one() for _ in range(16)))
+            assert len({sb.id for sb in made}) == 16
+            with pytest.raises(Capacity):
+                await c.create(image="busybox", cpu=0.125, memory_mb=32, ttl_s=300)
+            await asyncio.gather(*(sb.destroy() for sb in made))
+        finally:
+            await c.close()

@@ -528,14 +528,16 @@ class NodeAgent:
     async def _on_ping(self, msg: Msg) -> bytes:
         return ok(node=self.node, sandboxes=len(self.sandboxes))
 
-    def _requested(self) -> tuple[float, int]:
-        """CPU and memory requested by the node's sandboxes and the creates it has accepted."""
-        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values()) + sum(s.cpu for s in self.creating.values())
-        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values()) + sum(s.memory_mb for s in self.creating.values())
+    def _requested(self, creating: bool = True) -> tuple[float, int]:
+        """CPU and memory requested by the node's sandboxes and (with `creating`) the creates it
+        has accepted."""
+        pending = self.creating.values() if creating else ()
+        cpu = sum(sb.spec.cpu for sb in self.sandboxes.values()) + sum(s.cpu for s in pending)
+        mem = sum(sb.spec.memory_mb for sb in self.sandboxes.values()) + sum(s.memory_mb for s in pending)
         return cpu, mem
 
-    def _held(self) -> int:
-        return len(self.sandboxes) + len(self.creating)
+    def _held(self, creating: bool = True) -> int:
+        return len(self.sandboxes) + (len(self.creating) if creating else 0)
 
     async def _on_create(self, msg: Msg) -> bytes | None:
         """`corral.node.<node>.create` (and each item of a node batch). None when the reply was
@@ -1025,10 +1027,13 @@ class NodeAgent:
         self.observed_mem_mb = mem // (1024 * 1024)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
-        cpu, mem = self._requested()
+        # creates in flight are left out: the scheduler that sent them holds a reservation for
+        # each until a heartbeat taken after the node's answer covers it (counting both made a
+        # node look full with room to spare); the node's own admission check counts them
+        cpu, mem = self._requested(creating=False)
         hb = Heartbeat(
             node=self.node, ts=time.time(), capacity=self.capacity,
-            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=self._held(),
+            usage=NodeUsage(cpu=round(self.observed_cpu, 3), memory_mb=self.observed_mem_mb, sandboxes=self._held(creating=False),
                             requested_cpu=cpu, requested_memory_mb=mem,
                             pooled=self.pool.count() if self.pool else 0, per_sandbox=self.observed.per_sandbox, per_sandbox_omitted=self.observed.omitted),
             substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
