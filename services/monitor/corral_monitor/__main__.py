@@ -34,6 +34,8 @@ def main(
                                                 "at least 4 x commit interval + 3 s"),
     commit_ms: float = typer.Option(1000.0, min=0, help="store what was fetched into ClickHouse (and ack it) once per this many ms "
                                                         "per worker; rules and alerts do not wait for it (0: every fetch)"),
+    commit_mb: float = typer.Option(8.0, min=0.001, help="... or sooner, once this many MB of events are staged (smaller: a backlog "
+                                                         "is stored in more, shorter inserts that overlap with fetching)"),
     alert_window_s: float = typer.Option(30.0, help="at most one alert per (rule, sandbox) per this many seconds"),
     protected_path: list[str] = typer.Option([], help="paths protected in every sandbox (alert on any access)"),
     canary: list[str] = typer.Option([], help="decoy paths in every sandbox (alert on any read)"),
@@ -48,7 +50,8 @@ def main(
     gc.set_threshold(50_000, 20, 100)
     dsn = clickhouse or os.environ.get("CORRAL_CLICKHOUSE") or f"chdb://{os.path.abspath(config.state_dir(state_dir))}/monitor.db"
     cfg = MonitorConfig(nats_url=config.nats_url(nats), clickhouse=dsn, database=database, metrics_host=metrics_host,
-                        metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, commit_ms=commit_ms, alert_window_s=alert_window_s,
+                        metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, commit_ms=commit_ms, commit_mb=commit_mb,
+                        alert_window_s=alert_window_s,
                         protected_paths=protected_path, canaries=canary, ttl_days=ttl_days, rules=rule, fault=fault)
 
     async def run() -> None:

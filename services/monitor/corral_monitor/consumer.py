@@ -197,7 +197,7 @@ class PullConsumer:
                  batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
                  fetch_timeout_s: float = 1.0, inflight_bytes: int = 24 * 1024 * 1024,
                  on_poison: Callable[[Msg, str], Awaitable[None]] | None = None, poison_after: int = 5,
-                 commit_s: float = 0.0, commit_bytes: int = 32 * 1024 * 1024):
+                 commit_s: float = 0.0, commit_bytes: int = 8 * 1024 * 1024):
         self.js = js
         self.stream = stream
         self.durable = durable

@@ -39,6 +39,7 @@ class MonitorConfig(msgspec.Struct, kw_only=True):
     batch: int = 256
     ack_wait_s: float = 30.0
     commit_ms: float = 1000.0
+    commit_mb: float = 8.0
     alert_window_s: float = 30.0
     protected_paths: list[str] = []
     canaries: list[str] = []
@@ -80,6 +81,7 @@ class Monitor:
         audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, "corral.audit.>",
                              AuditIngest(store, dead, detector.on_events, Fault(cfg.fault), detector.store_alerts),
                              batch=cfg.batch, workers=cfg.workers, ack_wait_s=ack_wait_s, commit_s=commit_s,
+                             commit_bytes=int(cfg.commit_mb * 1024 * 1024),
                              on_poison=lambda m, err: dead.put("CORRAL_AUDIT", m, m.data, "unprocessable", err))
         events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, "corral.events.>",
                               EventIngest(store, dead, detector.on_lifecycle), batch=cfg.batch, workers=1,
