@@ -1,6 +1,9 @@
-"""`corral up` as a user runs it: one ready line, a working stack, a clean stop on SIGTERM."""
+"""`corral up` as a user runs it: one ready line, a working stack (warm pools passed on to the nodes), a clean
+stop on SIGTERM; a malformed option refused before anything starts."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import signal
@@ -8,18 +11,60 @@ import subprocess
 import sys
 import tempfile
 
-from corral_sdk import Client
+import nats
+
+from corral_sdk import AsyncClient, Client
 from corral_sdk.stack import free_port
 
 from ..conftest import IMAGE_DIR
 from ..leaks import assert_clean, inits_of_node, processes_with
 
 
+async def _claim_reason(url: str) -> str:
+    """Once every node heartbeats a warm busybox sandbox (--warm-pool passed on to the nodes),
+    create one and return its `created` event's reason."""
+    nc = await nats.connect(url)
+    warm: dict[str, int] = {}
+    created: dict[str, str] = {}
+
+    async def on_hb(m) -> None:
+        hb = json.loads(m.data)
+        warm[hb["node"]] = hb.get("warm", {}).get("busybox", 0)
+
+    async def on_created(m) -> None:
+        ev = json.loads(m.data)
+        created[ev["sandbox_id"]] = ev.get("reason", "")
+
+    await nc.subscribe("corral.node.heartbeat", cb=on_hb)
+    await nc.subscribe("corral.events.sandbox.*.created", cb=on_created)
+    try:
+        for _ in range(600):
+            if len(warm) == 2 and all(warm.values()):
+                break
+            await asyncio.sleep(0.1)
+        assert len(warm) == 2 and all(warm.values()), warm
+        c = await AsyncClient.connect(url)
+        try:
+            sb = await c.create(image="busybox", cpu=0.1, memory_mb=32)
+            for _ in range(300):
+                if sb.id in created:
+                    break
+                await asyncio.sleep(0.1)
+            await sb.destroy()
+        finally:
+            await c.close()
+        assert sb.id in created, created
+        return created[sb.id]
+    finally:
+        await nc.close()
+
+
 def test_corral_up_ready_line_and_clean_shutdown():
     data = tempfile.mkdtemp(prefix="crl-up-", dir="/tmp")
     port = free_port()
     corral = os.path.join(os.path.dirname(sys.executable), "corral")
-    p = subprocess.Popen([corral, "up", "--data-dir", data, "--nats-port", str(port), "--nodes", "2", "--image-dir", IMAGE_DIR],
+    p = subprocess.Popen([corral, "up", "--data-dir", data, "--nats-port", str(port), "--nodes", "2", "--image-dir", IMAGE_DIR,
+                          "--warm-pool", "busybox=1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
@@ -29,6 +74,7 @@ def test_corral_up_ready_line_and_clean_shutdown():
             assert {s.info.node for s in sbs} == {"node-1", "node-2"}  # spread over both nodes
             for s in sbs:
                 s.exec("sleep 600 &")
+        assert asyncio.run(_claim_reason(f"nats://127.0.0.1:{port}")) == "claimed from the warm pool"
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0
         rest = p.stdout.read()
@@ -41,4 +87,14 @@ def test_corral_up_ready_line_and_clean_shutdown():
     for node in ("node-1", "node-2"):
         assert inits_of_node(data, node) == []
         assert_clean(data, node)
+    shutil.rmtree(data, ignore_errors=True)
+
+
+def test_corral_up_refuses_a_malformed_warm_pool():
+    data = tempfile.mkdtemp(prefix="crl-up-", dir="/tmp")
+    corral = os.path.join(os.path.dirname(sys.executable), "corral")
+    p = subprocess.run([corral, "up", "--data-dir", data, "--nats-port", str(free_port()), "--warm-pool", "busybox=many"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "expected IMAGE=COUNT" in p.stderr, (p.returncode, p.stderr)
+    assert processes_with(data) == []
     shutil.rmtree(data, ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
+import re
 import sys
 
 import typer
@@ -50,18 +50,23 @@ def up(
     image_dir: str = typer.Option(None, help="image store (default <data-dir>/images)"),
     metrics_port: int = typer.Option(0, help="first metrics port (0: free ports)"),
     docker: bool = typer.Option(False, "--docker", help="also offer the docker substrate (needs a running dockerd)"),
+    warm_pool: list[str] = typer.Option([], "--warm-pool", help="IMAGE=COUNT frozen sandboxes each node keeps ready for creates "
+                                                                "to claim (repeatable), e.g. --warm-pool busybox=4"),
 ) -> None:
     """Start NATS, the scheduler and node-agents on this machine; stop them all on SIGINT/SIGTERM."""
+    from corral_common.lifecycle import run_until_signalled
+
     from .stack import Stack
 
+    bad = [w for w in warm_pool if not re.fullmatch(r"[^=\s]+(=\d+)?", w)]
+    if bad:
+        console.print(f"[red]--warm-pool {bad[0]!r}:[/red] expected IMAGE=COUNT, e.g. busybox=4")
+        raise typer.Exit(2)
     stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats,
-                  image_dir=image_dir, metrics_port=metrics_port, docker=docker)
+                  image_dir=image_dir, metrics_port=metrics_port, docker=docker,
+                  node_args=[a for w in warm_pool for a in ("--warm-pool", w)])
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(s, stop.set)
+    async def run(stop: asyncio.Event) -> None:
         try:
             await stack.start()
         except Exception as e:
@@ -76,7 +81,7 @@ def up(
         console.print("corral: shutting down")
         await stack.stop()
 
-    asyncio.run(run())
+    run_until_signalled(run)
 
 
 def _client():

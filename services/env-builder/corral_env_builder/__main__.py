@@ -1,12 +1,10 @@
 """`python -m corral_env_builder`: run one env-builder replica."""
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import typer
 
 from corral_common import config, logs
+from corral_common.lifecycle import run_until_signalled
 
 from .service import EnvBuilder, EnvBuilderConfig
 
@@ -30,14 +28,7 @@ def main(
                            parallel_builds=parallel_builds, files_roots=list(files_root), per_job_concurrent=per_job_concurrent,
                            per_job_per_minute=per_job_per_minute, max_backlog=max_backlog)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(s, stop.set)
-        await EnvBuilder(cfg).run(stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: EnvBuilder(cfg).run(stop))  # built inside the loop
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
 """`python -m corral_image_cache`: the image registry service (`corral image-cache`)."""
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 
 import typer
 
 from corral_common import config, logs
+from corral_common.lifecycle import run_until_signalled
 
 from .service import ImageCache, ImageCacheConfig
 
@@ -32,14 +31,7 @@ def main(
                            chunk_backend=chunk_backend, builtins=builtin, work_dir=work_dir, metrics_host=metrics_host, metrics_port=metrics_port,
                            snapshot_grace_s=snapshot_grace_s, gc_every_s=gc_every_s)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(s, stop.set)
-        await ImageCache(cfg).run(stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: ImageCache(cfg).run(stop))  # built inside the loop
 
 
 if __name__ == "__main__":

@@ -5,14 +5,13 @@
 """
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
-import signal
 
 import typer
 
 from corral_common import config, logs
+from corral_common.lifecycle import run_until_signalled
 
 from .service import Monitor, MonitorConfig
 
@@ -54,14 +53,7 @@ def main(
                         alert_window_s=alert_window_s,
                         protected_paths=protected_path, canaries=canary, ttl_days=ttl_days, rules=rule, fault=fault)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(s, stop.set)
-        await Monitor(cfg).run(stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: Monitor(cfg).run(stop))  # built inside the loop
 
 
 if __name__ == "__main__":

@@ -1,15 +1,14 @@
 """`python -m corral_node_agent`: run one node-agent (the CLI's `corral node-agent` execs this)."""
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import signal
 import socket
 
 import typer
 
 from corral_common import config, logs
+from corral_common.lifecycle import run_until_signalled
 
 from .agent import AgentConfig, NodeAgent
 from .warmpool import PoolConfig, parse_pools
@@ -61,14 +60,7 @@ def main(
         file_events_rate=file_events_rate, file_events_burst=file_events_burst,
     )
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(s, stop.set)
-        await NodeAgent(cfg).run(stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: NodeAgent(cfg).run(stop))  # built inside the loop
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
 """`python -m corral_scheduler`: run one scheduler replica."""
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import typer
 
 from corral_common import config, logs
+from corral_common.lifecycle import run_until_signalled
 
 from .service import Scheduler, SchedulerConfig
 
@@ -29,14 +27,7 @@ def main(
     cfg = SchedulerConfig(nats_url=config.nats_url(nats), metrics_host=metrics_host, metrics_port=metrics_port,
                           node_timeout_s=node_timeout_s, stale_after_s=stale_after_s, cpu_overcommit=cpu_overcommit, hot_cpu=hot_cpu)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(s, stop.set)
-        await Scheduler(cfg).run(stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: Scheduler(cfg).run(stop))  # built inside the loop
 
 
 if __name__ == "__main__":
