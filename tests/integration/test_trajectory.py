@@ -13,7 +13,7 @@ import pytest
 
 from corral_sdk import AsyncClient, Conflict, InvalidRequest, NotFound
 
-from ..conftest import make_stack
+from ..conftest import running_stack
 
 HERE = os.path.dirname(__file__)
 
@@ -164,9 +164,7 @@ async def test_trainer_killed_repeatedly_resumes_exactly_once(stack, client):
 
 
 async def test_node_agent_lost_trajectory_resumes_on_another_node():
-    stack = make_stack(nodes=2)
-    await stack.start()
-    try:
+    async with running_stack(nodes=2) as stack:
         c = await AsyncClient.connect(stack.url)
         async with c.trajectory("t-node", image="busybox", cpu=0.1, memory_mb=32, snapshot_every=4) as t:
             for i in range(10):
@@ -188,5 +186,3 @@ async def test_node_agent_lost_trajectory_resumes_on_another_node():
         await c.close()
         stack.restart(node)  # let it come back and clean up what its predecessor left
         await asyncio.sleep(3)
-    finally:
-        await stack.stop()
