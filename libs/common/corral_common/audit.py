@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from msgspec import Struct
+from msgspec import Meta, Struct
 
-AuditKind = Literal["exec", "file", "syscall", "net", "signal", "oom", "pids", "lifecycle", "canary", "error"]
+from .messages import Request
+
+# loss: events of this sandbox that never reached the stream (detail: reason, count); the record is incomplete
+AuditKind = Literal["exec", "file", "syscall", "net", "signal", "oom", "pids", "lifecycle", "canary", "error", "loss"]
 Severity = Literal["info", "low", "medium", "high", "critical"]
 
 
@@ -61,3 +64,40 @@ class Alert(Struct, kw_only=True, omit_defaults=True):
 def event_id() -> str:
     """Sortable-ish unique id: milliseconds then 64 random bits."""
     return f"{int(time.time() * 1000):013x}{secrets.token_hex(8)}"
+
+
+class AlertSummary(Struct, kw_only=True, omit_defaults=True):
+    rule: str
+    severity: str
+    message: str
+    paths: list[str] = []
+
+
+class Finding(Struct, kw_only=True, omit_defaults=True):
+    """A verdict another service reached about a sandbox (the grader: tampering with the grading
+    environment, module shadowing); the monitor stores and publishes it as an alert like its own."""
+
+    rule: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
+    severity: Severity
+    message: Annotated[str, Meta(max_length=4096)]
+    paths: Annotated[list[str], Meta(max_length=256)] = []
+
+
+class EvaluateRequest(Request, kw_only=True):
+    """`corral.v1.monitor.evaluate`: wait until the monitor has stored this sandbox's audit events
+    up to stream sequence `after_seq`, run the window rules for this sandbox at once, record
+    `findings` as alerts, and answer every alert the sandbox has."""
+
+    sandbox: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+    after_seq: Annotated[int, Meta(ge=0)] = 0
+    node: Annotated[str, Meta(max_length=128)] = ""
+    job: Annotated[str, Meta(max_length=128)] = ""
+    findings: Annotated[list[Finding], Meta(max_length=64)] = []
+    wait_s: Annotated[float, Meta(ge=0, le=120)] = 10.0
+
+
+class EvaluateReply(Struct, kw_only=True, omit_defaults=True):
+    alerts: list[AlertSummary] = []
+    complete: bool = True  # the events through after_seq were stored before the rules ran (False: wait_s ran out)
+    stored_seq: int = 0  # how far (stream sequence) the monitor has stored contiguously
+    lost: int = 0  # `loss` events recorded for this sandbox: audit that never arrived

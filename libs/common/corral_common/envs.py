@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .audit import AlertSummary
 from .errors import InvalidRequest
 from .messages import LabelMap, Request
 
@@ -22,7 +23,10 @@ EnvVersion = Annotated[str, Meta(pattern=r"^([0-9a-z][0-9a-z_-]{0,31})?$")]  # l
 AbsPath = Annotated[str, Meta(min_length=2, max_length=1024, pattern=r"^/[^\0]*$")]
 FileMap = Annotated[dict[str, str], Meta(max_length=4096)]
 CheckName = Literal["spec", "setup", "pin_git", "snapshot", "fails_unsolved", "passes_solved", "no_protected_content",
-                    "git_pinned", "stable"]
+                    "git_pinned", "stable", "tests_named"]
+Runner = Literal["auto", "unittest", "pytest", "command"]
+TestId = Annotated[str, Meta(min_length=1, max_length=1024)]
+TestList = Annotated[list[TestId], Meta(max_length=20_000)]
 
 
 class Solution(Request, kw_only=True):
@@ -72,6 +76,16 @@ class EnvSpec(Request, kw_only=True):
     limits: RolloutLimits = msgspec.field(default_factory=RolloutLimits)
     labels: LabelMap = {}
     description: Annotated[str, Meta(max_length=4096)] = ""
+    # where a solution may change things (paths relative to workdir, or absolute); only these
+    # changes are carried into grading, everything else is discarded. Default: the workdir
+    solution_surface: Annotated[list[str], Meta(max_length=256)] = []
+    # how the tests run when grading: per-test outcomes from a trusted runner (unittest, pytest),
+    # or `command` (the test command's exit status alone, for images without Python).
+    # auto: read from test_command
+    runner: Runner = "auto"
+    # tests (the runner's ids) that must pass, SWE-bench style; empty: derived during verification
+    fail_to_pass: TestList = []
+    pass_to_pass: TestList = []
 
     def abspath(self, path: str) -> str:
         """Spec paths are relative to workdir unless absolute; `..` is refused."""
@@ -218,10 +232,15 @@ class EnvGradeRequest(Request, kw_only=True):
     require_monitor: bool = True  # no monitor: `unavailable` instead of a reward that ignored cheating
 
 
-class AlertSummary(Struct, kw_only=True):
-    rule: str
-    severity: str
-    message: str
+TestOutcomeKind = Literal["passed", "failed", "error", "skipped", "missing"]
+
+
+class TestOutcome(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    outcome: TestOutcomeKind  # missing: named but never reported (not collected, or the run stopped first)
+    expected: Literal["fail_to_pass", "pass_to_pass"]
+    seconds: float = 0.0
+    message: str = ""
 
 
 class EnvGradeResult(Struct, kw_only=True, omit_defaults=True):
@@ -236,6 +255,10 @@ class EnvGradeResult(Struct, kw_only=True, omit_defaults=True):
     alerts: list[AlertSummary] = []
     monitor_checked: bool = True
     seconds: float = 0.0
+    runner: str = ""  # unittest | pytest | command
+    tests: list[TestOutcome] = []  # per named test (fail_to_pass and pass_to_pass)
+    discarded: list[str] = []  # paths the agent changed that were not carried into grading
+    audit_complete: bool = True  # False: some of the rollout's audit events were lost (see reason)
 
 
 ENV_LABEL = "corral.env"

@@ -242,6 +242,53 @@ class SnapshotRequest(Request, kw_only=True):
     labels: LabelMap = {}
 
 
+# ----- what a sandbox changed, and how complete its audit is (the grader's consistent point) -----
+
+ChangeKind = Literal["file", "dir", "symlink", "deleted", "other"]
+
+
+class ChangesRequest(Request, kw_only=True):
+    """`corral.v1.sandbox.<id>.changes`: the entries of the sandbox's writable layer, read on the
+    host (nothing inside the sandbox is trusted to list or pack them). The sandbox is frozen while
+    its layer is walked (and thawed after, unless it was paused before)."""
+
+    # absolute paths (files or directories) whose changed regular files and symlinks are packed
+    # into `archive_b64`; empty: list only
+    include: Annotated[list[Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^/")]], Meta(max_length=256)] = []
+    # absolute path prefixes left out of the listing and the archive (e.g. a trajectory's own files)
+    exclude: Annotated[list[Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^/")]], Meta(max_length=256)] = []
+    max_archive_bytes: Annotated[int, Meta(ge=0, le=6 * 1024 * 1024)] = 4 * 1024 * 1024
+    max_entries: Annotated[int, Meta(ge=1, le=200_000)] = 50_000
+
+
+class Change(Struct, kw_only=True, omit_defaults=True):
+    path: str  # absolute, inside the sandbox
+    kind: ChangeKind  # deleted: an overlay whiteout (the path existed in the image and was removed)
+    size: int = 0
+    mode: int = 0  # permission bits
+    opaque: bool = False  # a directory that replaced the image's one: nothing of the image's remains below
+    target: str = ""  # a symlink's target
+
+
+class ChangesReply(Struct, kw_only=True, omit_defaults=True):
+    changes: list[Change] = []
+    # gzip'd tar (paths relative to /) of the regular files and symlinks under `include`
+    archive_b64: str = ""
+    packed: int = 0  # entries in the archive
+    truncated: bool = False  # more than max_entries entries: the listing stops there
+    too_large: list[str] = []  # included paths left out because the archive would pass max_archive_bytes
+
+
+class AuditState(Struct, kw_only=True, omit_defaults=True):
+    """`corral.v1.sandbox.<id>.audit`: the node drains its audit sources for the sandbox (fanotify
+    queue, seccomp listener, buffered events), publishes what it holds, then answers."""
+
+    last_seq: int = 0  # CORRAL_AUDIT stream sequence of the last batch published for this sandbox (0: none yet)
+    published: int = 0  # events of this sandbox published so far
+    lost: int = 0  # events of this sandbox that never reached the stream (dropped, throttled, overflowed)
+    reasons: list[str] = []  # why events were lost, or why the record has a gap (a node-agent restart)
+
+
 class ErrorBody(Struct, kw_only=True, omit_defaults=True):
     code: str
     message: str

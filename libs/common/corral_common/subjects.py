@@ -8,7 +8,8 @@ SANDBOX_CREATE_BATCH = f"{PREFIX}.sandbox.create_batch"
 SANDBOX_LIST = f"{PREFIX}.sandbox.list"
 SANDBOX_RUN = f"{PREFIX}.sandbox.run"  # one-shot: create, exec once, destroy (the `function` substrate)
 
-SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume", "renew", "restore")
+SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume", "renew", "restore",
+               "changes", "audit")
 
 MONITOR_QUERY = f"{PREFIX}.monitor.query"  # read-only SQL answered by the monitor (embedded ClickHouse)
 # audit messages the monitor could not decode or kept failing on, with headers saying why
@@ -94,6 +95,9 @@ IMAGE_DELETE = f"{PREFIX}.image.delete"
 
 # monitor: read-only ClickHouse SQL; its durable audit consumer (others check how far it got)
 MONITOR_QUERY = f"{PREFIX}.monitor.query"
+# evaluate one sandbox now: wait until its audit is stored, run the window rules for it, record
+# findings other services bring (the grader's), answer its alerts
+MONITOR_EVALUATE = f"{PREFIX}.monitor.evaluate"
 MONITOR_AUDIT_DURABLE = "corral-monitor-audit"
 
 # env-builder
