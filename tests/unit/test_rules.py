@@ -70,6 +70,11 @@ MISBEHAVIOUR: dict[str, list[AuditEvent]] = {
         ev("file", op="open", path="/opt/x/hidden.py", pid=42, comm="cat", detail={"protected": "1"}),
         ev("file", op="read", path="/repo/tests/secret/t.py", pid=42, comm="python3", labels={"corral.protected_paths": "/repo/tests/secret"}),
     ],
+    "audit_incomplete": [
+        ev("loss", detail={"reason": "publish failed", "count": "12"}),
+        ev("loss", detail={"reason": "buffer full"}),
+        ev("loss"),  # a node-agent that says nothing more is still a gap in the record
+    ],
     "canary_read": [
         ev("canary", path="/var/lib/mgmt/answers.json", op="read", pid=7, comm="cat"),
         ev("file", op="open", path="/var/lib/mgmt/answers.json", pid=7, comm="cat", detail={"canary": "1"}),
@@ -446,3 +451,77 @@ def test_lifecycle_events_teach_protected_paths_and_canaries():
     assert {a.rule for a in d.evaluate([leftover])} == {"canary_read"}
     other = AuditEvent(id="c", ts=1.7e9, node="n1", sandbox="sb-10", kind="exec", cmd="cat /srv/tests_hidden/t.py", cwd="/")
     assert d.evaluate([other]) == []
+
+
+def test_audit_incomplete_names_reason_and_count():
+    r = rules.REGISTRY["audit_incomplete"](RuleContext())
+    assert r.severity == "high"
+    msg = r.match(ev("loss", detail={"reason": "publish failed", "count": "12"}))
+    assert "12" in msg and "publish failed" in msg
+    assert not r.applies(ev("exec", cmd="echo loss"))
+
+
+def test_window_rules_scope_to_one_sandbox():
+    """Every window rule can be run for one sandbox (evaluate): the scoped SQL filters on the
+    `sandbox` parameter in each WHERE, the periodic SQL has no filter and no parameter."""
+    from corral_monitor.rules.base import SANDBOX_SCOPE
+
+    assert rules.SQL_REGISTRY
+    for cls in rules.SQL_REGISTRY.values():
+        r = cls()
+        assert "{scope}" in r.sql, f"{r.name} has no {{scope}} placeholder"
+        wide, one = r.query(), r.query(one_sandbox=True)
+        assert "{sandbox:String}" not in wide and "{" not in wide
+        assert one.count(SANDBOX_SCOPE) == r.sql.count("{scope}") == one.count("{sandbox:String}")
+        assert one.count("WHERE") == one.count(SANDBOX_SCOPE), f"{r.name}: a WHERE without the sandbox filter"
+
+
+def test_watermark_advances_only_contiguously():
+    import asyncio
+
+    from corral_monitor.watermark import Watermark
+
+    wm = Watermark(3)
+    wm.done([5, 6])
+    assert wm.through == 3  # 4 is missing
+    wm.done([4])
+    assert wm.through == 6 and not wm.ahead
+    wm.done([2, 6])  # old or repeated: no effect
+    assert wm.through == 6
+    wm.done([9])
+    wm.raise_to(7)  # the ack floor: 7 and below stored elsewhere
+    assert wm.through == 7
+    wm.done([8])
+    assert wm.through == 9
+    wm.raise_to(4)
+    assert wm.through == 9
+
+    async def waits():
+        w = Watermark(0)
+        assert await w.wait(0, 0)
+        assert not await w.wait(2, 0.01)
+        t = asyncio.create_task(w.wait(2, 30))
+        await asyncio.sleep(0)
+        w.done([2])
+        await asyncio.sleep(0)
+        assert not t.done()
+        w.done([1])
+        assert await t
+        assert not w._waiters
+
+    asyncio.run(waits())
+
+
+def test_finding_alert_ids_depend_on_the_finding_only():
+    from corral_common.audit import Finding
+    from corral_monitor.alerts import alert_paths, finding_alert
+
+    f = Finding(rule="grader_tampering", severity="high", message="conftest.py changed", paths=["/repo/conftest.py"])
+    a, b = finding_alert(f, "sb-1"), finding_alert(f, "sb-1", node="n1")
+    assert a.id == b.id and a.paths == ["/repo/conftest.py"] and alert_paths(a) == ["/repo/conftest.py"]
+    assert finding_alert(f, "sb-2").id != a.id
+    other = Finding(rule="grader_tampering", severity="high", message="conftest.py changed", paths=["/repo/x.py"])
+    assert finding_alert(other, "sb-1").id != a.id
+    e = ev("file", op="write", path="/repo/tests/t.py")
+    from corral_common.audit import Alert
+    assert alert_paths(Alert(id="x", ts=1.0, rule="r", severity="high", sandbox="sb-1", message="m", evidence=[e, e])) == ["/repo/tests/t.py"]

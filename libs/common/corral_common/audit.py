@@ -59,6 +59,7 @@ class Alert(Struct, kw_only=True, omit_defaults=True):
     job: str = ""
     message: str
     evidence: list[AuditEvent] = []
+    paths: list[str] = []  # the files it is about (a grader's finding names them; else those of the evidence)
 
 
 def event_id() -> str:

@@ -56,6 +56,7 @@ class Stack:
     node_args: list[str] = field(default_factory=list)  # extra node-agent arguments; a --substrate here replaces the defaults
     docker: bool = False  # also enable the `docker` substrate (dockerd must be reachable; `corral up --docker`)
     monitor: bool = True  # the monitor, with ClickHouse embedded at <data_dir>/monitor.db
+    monitor_args: list[str] = field(default_factory=list)  # extra monitor arguments (e.g. --window-every-s)
     env_builder: bool = True  # the env-builder (`corral.v1.env.*`)
     env_builder_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)  # extra scheduler arguments (e.g. --stale-after-s)
@@ -129,7 +130,8 @@ class Stack:
         if self.monitor:
             port = self._mport(2)
             self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.url, "--clickhouse",
-                                    f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port)],
+                                    f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port),
+                                    *self.monitor_args],
                         f"http://127.0.0.1:{port}/metrics")
         if self.env_builder:
             port = self._mport(3)

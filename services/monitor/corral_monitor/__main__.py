@@ -36,6 +36,8 @@ def main(
     commit_mb: float = typer.Option(8.0, min=0.001, help="... or sooner, once this many MB of events are staged (smaller: a backlog "
                                                          "is stored in more, shorter inserts that overlap with fetching)"),
     alert_window_s: float = typer.Option(30.0, help="at most one alert per (rule, sandbox) per this many seconds"),
+    window_every_s: float = typer.Option(0.0, min=0, help="run the window (SQL) rules over every sandbox this often "
+                                                          "(0: each rule's own period, 5 s); evaluate runs them for one sandbox at once"),
     protected_path: list[str] = typer.Option([], help="paths protected in every sandbox (alert on any access)"),
     canary: list[str] = typer.Option([], help="decoy paths in every sandbox (alert on any read)"),
     ttl_days: int = typer.Option(0, help="retention of every table in days (0: 30 for events, 180 for alerts)"),
@@ -50,7 +52,7 @@ def main(
     dsn = clickhouse or os.environ.get("CORRAL_CLICKHOUSE") or f"chdb://{os.path.abspath(config.state_dir(state_dir))}/monitor.db"
     cfg = MonitorConfig(nats_url=config.nats_url(nats), clickhouse=dsn, database=database, metrics_host=metrics_host,
                         metrics_port=metrics_port, workers=workers, batch=batch, ack_wait_s=ack_wait_s, commit_ms=commit_ms, commit_mb=commit_mb,
-                        alert_window_s=alert_window_s,
+                        alert_window_s=alert_window_s, window_every_s=window_every_s,
                         protected_paths=protected_path, canaries=canary, ttl_days=ttl_days, rules=rule, fault=fault)
 
     run_until_signalled(lambda stop: Monitor(cfg).run(stop))  # built inside the loop

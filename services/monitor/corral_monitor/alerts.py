@@ -24,7 +24,7 @@ import msgspec
 from nats.js import JetStreamContext
 
 from corral_common import metrics, subjects
-from corral_common.audit import Alert, AuditEvent, Severity
+from corral_common.audit import Alert, AuditEvent, Finding, Severity
 
 from .store import AlertRow, Store
 
@@ -40,6 +40,21 @@ encoder = msgspec.json.Encoder()
 
 def alert_id(rule: str, key: str) -> str:
     return "al-" + hashlib.blake2b(f"{rule}|{key}".encode(), digest_size=12).hexdigest()
+
+
+def alert_paths(a: Alert) -> list[str]:
+    """The files an alert is about: its own `paths` (a finding's), else those its evidence names."""
+    if a.paths:
+        return a.paths
+    return list(dict.fromkeys(e.path for e in a.evidence if e.path))
+
+
+def finding_alert(f: Finding, sandbox: str, node: str = "", job: str = "") -> Alert:
+    """A finding another service reached (the grader's) as an alert. Its id is a function of the
+    sandbox and the finding alone, so a retried request stores and publishes it once."""
+    key = "\0".join(["finding", sandbox, f.severity, f.message, *f.paths])
+    return Alert(id=alert_id(f.rule, key), ts=time.time(), rule=f.rule, severity=f.severity, sandbox=sandbox, node=node,
+                 job=job, message=f.message, paths=list(f.paths))
 
 
 class AlertManager:
@@ -113,7 +128,8 @@ class AlertManager:
             return
         rows = [AlertRow(id=a.id, ts=a.ts, event_ts=a.evidence[0].ts if a.evidence else a.ts, rule=a.rule,
                          severity=a.severity, sandbox=a.sandbox, node=a.node, job=a.job, message=a.message,
-                         evidence_ids=[e.id for e in a.evidence], evidence=encoder.encode(a.evidence).decode())
+                         evidence_ids=[e.id for e in a.evidence], evidence=encoder.encode(a.evidence).decode(),
+                         paths=alert_paths(a))
                 for a in alerts]
         await asyncio.to_thread(self.store.insert, "alerts", rows)
 

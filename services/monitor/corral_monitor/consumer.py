@@ -37,6 +37,7 @@ from corral_common import metrics, subjects
 from corral_common.audit import AuditBatch, AuditEvent
 
 from .store import ExecRow, SandboxEventRow, Store
+from .watermark import Watermark
 
 log = logging.getLogger("corral.monitor.consumer")
 
@@ -197,7 +198,7 @@ class PullConsumer:
                  batch: int = 256, workers: int = 1, ack_wait_s: float = 60.0, max_ack_pending: int = 20_000,
                  fetch_timeout_s: float = 1.0, inflight_bytes: int = 24 * 1024 * 1024,
                  on_poison: Callable[[Msg, str], Awaitable[None]] | None = None, poison_after: int = 5,
-                 commit_s: float = 0.0, commit_bytes: int = 8 * 1024 * 1024):
+                 commit_s: float = 0.0, commit_bytes: int = 8 * 1024 * 1024, watermark: Watermark | None = None):
         self.js = js
         self.stream = stream
         self.durable = durable
@@ -215,6 +216,8 @@ class PullConsumer:
         self.commit_bytes = commit_bytes
         self.avg_size = 64 * 1024.0  # a node-agent batch of 256 exec events
         self.subs: list[Any] = []
+        # how far the stream is stored contiguously (evaluate waits on it); None: not tracked
+        self.watermark = watermark
 
     async def setup(self) -> None:
         cfg = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
@@ -225,8 +228,24 @@ class PullConsumer:
         except BadRequestError as e:
             log.warning("could not update the durable consumer; keeping its settings",
                         extra={"fields": {"stream": self.stream, "durable": self.durable, "error": str(e)}})
+        if self.watermark is not None:
+            # everything up to the ack floor was stored before (acks follow commits); before the
+            # stream's first message there is nothing left to store
+            self.watermark.raise_to(await self.stored_floor())
         for _ in range(self.workers):
             self.subs.append(await self.js.pull_subscribe_bind(self.durable, self.stream))
+
+    async def stored_floor(self) -> int:
+        """The durable's ack floor (contiguous over every process bound to it), or the sequence
+        before the stream's first message if that is higher (older ones expired)."""
+        ci = await self.js.consumer_info(self.stream, self.durable)
+        floor = (ci.ack_floor.stream_seq or 0) if ci.ack_floor is not None else 0
+        si = await self.js.stream_info(self.stream)
+        return max(floor, (si.state.first_seq or 1) - 1)
+
+    def _stored(self, msgs: list[Msg]) -> None:
+        if self.watermark is not None and msgs:
+            self.watermark.done([m.metadata.sequence.stream for m in msgs])
 
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(self._work(sub, stop) for sub in self.subs))
@@ -303,6 +322,7 @@ class PullConsumer:
             return
         COMMIT_SECONDS.labels(self.stream).observe(time.perf_counter() - t0)
         self.backoff = 0.1
+        self._stored(held)
         await self._ack_all(held)
 
     async def _failed(self, msgs: list[Msg], e: Exception) -> None:
@@ -350,12 +370,15 @@ class PullConsumer:
                 if self.on_poison is not None and delivered >= self.poison_after and not _transient(e):
                     try:
                         await self.on_poison(m, repr(e))
-                        await m.ack()
                     except Exception:
                         await self._nak_all([m], backoff)
+                    else:
+                        self._stored([m])  # dead-lettered: as far as it will ever get
+                        await self._ack_all([m])
                 else:
                     await self._nak_all([m], backoff)
                 continue
+            self._stored([m])
             await self._ack_all([m])
 
     async def close(self) -> None:

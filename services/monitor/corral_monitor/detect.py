@@ -29,8 +29,11 @@ EVIDENCE_COLUMNS = ("id", "ts", "node", "sandbox", "kind", "job", "cmd", "cwd", 
 
 
 class Detector:
-    def __init__(self, rules: list[Rule], sql_rules: list[SqlRule], alerts: AlertManager, store: Store, ctx: RuleContext):
+    def __init__(self, rules: list[Rule], sql_rules: list[SqlRule], alerts: AlertManager, store: Store, ctx: RuleContext,
+                 every_s: float = 0.0):
         self.rules = rules
+        # the periodic pass runs each window rule this often (0: the rule's own `every_s`)
+        self.every_s = every_s
         self.sql_rules = sql_rules
         self.alerts = alerts
         self.store = store
@@ -40,6 +43,10 @@ class Detector:
             for k in r.kinds:
                 self.by_kind[k].append(r)
         self.sql_due: dict[str, float] = {r.name: 0.0 for r in sql_rules}
+        # one run of a window rule at a time (the periodic pass, or one sandbox's on request): a
+        # run sees the alerts of the one before stored, and their throttle state, so the same
+        # burst is not alerted twice and an evaluate never misses an alert still being stored
+        self.sql_locks: dict[str, asyncio.Lock] = {r.name: asyncio.Lock() for r in sql_rules}
         self.cache: dict[tuple[str, str, str], list[tuple[Rule, str]]] = {}
         self._build_gates()
 
@@ -160,7 +167,7 @@ class Detector:
             for r in self.sql_rules:
                 if now < self.sql_due[r.name]:
                     continue
-                self.sql_due[r.name] = now + r.every_s
+                self.sql_due[r.name] = now + (self.every_s or r.every_s)
                 try:
                     await self.run_sql_rule(r)
                 except Exception:
@@ -171,8 +178,28 @@ class Detector:
             except TimeoutError:
                 pass
 
-    async def run_sql_rule(self, r: SqlRule) -> list[Alert]:
-        res = await asyncio.to_thread(self.store.query, r.query(), 10_000, 30.0, False)
+    async def run_sql_rule(self, r: SqlRule, sandbox: str | None = None) -> list[Alert]:
+        """Run one window rule over every sandbox (the periodic pass) or over `sandbox` alone (on
+        request); publish and store its new alerts; returns them."""
+        async with self.sql_locks.setdefault(r.name, asyncio.Lock()):
+            return await self._run_sql_rule(r, sandbox)
+
+    async def run_sql_rules_for(self, sandbox: str) -> list[Alert]:
+        """Every window rule over one sandbox, now (not at the next periodic pass). A rule that
+        fails is counted, logged and raised: an answer without it could clear a cheat."""
+        out: list[Alert] = []
+        for r in self.sql_rules:
+            try:
+                out += await self.run_sql_rule(r, sandbox)
+            except Exception:
+                RULE_ERRORS.labels(r.name).inc()
+                log.exception("window rule failed", extra={"fields": {"rule": r.name, "sandbox": sandbox}})
+                raise
+        return out
+
+    async def _run_sql_rule(self, r: SqlRule, sandbox: str | None) -> list[Alert]:
+        params = {"sandbox": sandbox} if sandbox is not None else None
+        res = await asyncio.to_thread(self.store.query, r.query(sandbox is not None), 10_000, 30.0, False, params)
         col = {c: i for i, c in enumerate(res.columns)}
         alerts: list[Alert] = []
         for row in res.rows:

@@ -1,6 +1,7 @@
 """The monitor service: consumes CORRAL_AUDIT and CORRAL_EVENTS durably into ClickHouse, runs the
-detection rules, publishes alerts, and answers read-only SQL on `corral.v1.monitor.query` (and
-the rule list on `corral.v1.monitor.rules`)."""
+detection rules, publishes alerts, and answers read-only SQL on `corral.v1.monitor.query`, the
+rule list on `corral.v1.monitor.rules` and a grader's per-sandbox verdict on
+`corral.v1.monitor.evaluate`."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,10 @@ from . import rules as rulereg
 from .alerts import AlertManager
 from .consumer import AuditIngest, DeadLetters, EventIngest, Fault, PullConsumer
 from .detect import Detector
+from .evaluate import Evaluator
 from .query import QueryService
 from .store import DEFAULT_TTL_DAYS, Store, wait_connect
+from .watermark import Watermark
 
 log = logging.getLogger("corral.monitor")
 
@@ -41,6 +44,7 @@ class MonitorConfig(msgspec.Struct, kw_only=True):
     commit_ms: float = 1000.0
     commit_mb: float = 8.0
     alert_window_s: float = 30.0
+    window_every_s: float = 0.0  # the periodic pass runs each window rule this often (0: the rule's own period)
     protected_paths: list[str] = []
     canaries: list[str] = []
     ttl_days: int = 0  # 0: per-table defaults
@@ -73,7 +77,9 @@ class Monitor:
         alerts = AlertManager(self.js, store, cfg.alert_window_s)
         restored = await asyncio.to_thread(alerts.restore)
         ctx = rulereg.RuleContext(cfg.protected_paths, cfg.canaries)
-        detector = Detector(rulereg.build(ctx, cfg.rules or None), rulereg.build_sql(cfg.rules or None), alerts, store, ctx)
+        detector = Detector(rulereg.build(ctx, cfg.rules or None), rulereg.build_sql(cfg.rules or None), alerts, store, ctx,
+                            every_s=cfg.window_every_s)
+        stored = Watermark()  # how far CORRAL_AUDIT is stored (evaluate waits on it)
         commit_s = max(0.0, cfg.commit_ms / 1000)
         ack_wait_s = max(cfg.ack_wait_s, min_ack_wait(commit_s))
         if ack_wait_s > cfg.ack_wait_s:
@@ -81,7 +87,7 @@ class Monitor:
         audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, "corral.audit.>",
                              AuditIngest(store, dead, detector.on_events, Fault(cfg.fault), detector.store_alerts),
                              batch=cfg.batch, workers=cfg.workers, ack_wait_s=ack_wait_s, commit_s=commit_s,
-                             commit_bytes=int(cfg.commit_mb * 1024 * 1024),
+                             commit_bytes=int(cfg.commit_mb * 1024 * 1024), watermark=stored,
                              on_poison=lambda m, err: dead.put("CORRAL_AUDIT", m, m.data, "unprocessable", err))
         events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, "corral.events.>",
                               EventIngest(store, dead, detector.on_lifecycle), batch=cfg.batch, workers=1,
@@ -89,6 +95,8 @@ class Monitor:
                               on_poison=lambda m, err: dead.put("CORRAL_EVENTS", m, m.data, "unprocessable", err))
         await audit.setup()
         await events.setup()
+        evaluator = Evaluator(store, detector, alerts, stored, audit.stored_floor, self.ready)
+        await self.responder.serve(subjects.MONITOR_EVALUATE, evaluator.handle, "evaluate", queue=QUEUE)
         self.ready.set()
         gc.freeze()  # what start-up allocated (modules, rules, ClickHouse client) is never collected
         metrics.UP.labels("monitor").set(1)

@@ -70,10 +70,16 @@ SCHEMA: dict[str, str] = {
     "alerts": _table("alerts", """
             event_ts DateTime64(3, 'UTC'), rule LowCardinality(String), severity LowCardinality(String),
             sandbox String, node LowCardinality(String), job String, message String, evidence_ids Array(String),
-            evidence String""",
+            evidence String, paths Array(String) DEFAULT []""",
                      order_by="rule, sandbox", time_col="event_ts", partition="toYYYYMM"),
 }
 TABLES = tuple(SCHEMA)
+
+# columns added after a table was first released: `CREATE TABLE IF NOT EXISTS` leaves an existing
+# table as it is, so each is added here (idempotent) to tables made by an older monitor
+MIGRATIONS: tuple[str, ...] = (
+    "ALTER TABLE {db}.alerts ADD COLUMN IF NOT EXISTS paths Array(String) DEFAULT [] AFTER evidence",
+)
 
 # exec_log is filled by ClickHouse itself from every insert into audit_events (no second encode
 # and insert from Python); the consumer inserts into exec_log directly only to repair rows missing
@@ -148,6 +154,7 @@ class AlertRow(msgspec.Struct, kw_only=True):
     message: str
     evidence_ids: list[str]
     evidence: str
+    paths: list[str] = []
 
 
 class QueryResult(msgspec.Struct):
@@ -206,6 +213,8 @@ class Store:
     def ensure_schema(self) -> None:
         for table, ddl in SCHEMA.items():
             self.command(ddl.format(db=self.database, ttl=int(self.ttl_days[table])))
+        for ddl in MIGRATIONS:
+            self.command(ddl.format(db=self.database))
         for ddl in VIEWS.values():
             self.command(ddl.format(db=self.database))
 

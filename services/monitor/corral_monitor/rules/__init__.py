@@ -45,7 +45,7 @@ def describe() -> list[dict[str, str]]:
 
 # importing a module registers its rules
 from . import (  # noqa: E402,F401
-    canary, denial_burst, denied_syscall, fork_bomb, git_history, handle_blockmap, kill_foreign, mass_deletion,
+    audit_incomplete, canary, denial_burst, denied_syscall, fork_bomb, git_history, handle_blockmap, kill_foreign, mass_deletion,
     mass_file_rewrite, memory_bomb, network_egress, proc_snooping, protected_paths, ptrace, raw_device,
     site_packages, test_tampering,
 )

@@ -152,10 +152,17 @@ class Rule:
         raise NotImplementedError
 
 
+# what `{scope}` becomes in a window rule's SQL when it is run for one sandbox (`evaluate`); the
+# sandbox id is a query parameter, never spliced into the text
+SANDBOX_SCOPE = "AND sandbox = {sandbox:String}"
+
+
 class SqlRule:
     """A windowed rule evaluated in ClickHouse. `sql` must return the columns
     sandbox, job, node, n, first_ts, last_ts, sample_ids (Array(String)); `{window_s}` and
-    `{threshold}` are substituted."""
+    `{threshold}` are substituted, and `{scope}` (in every WHERE that reads audit_events) becomes
+    nothing for the periodic pass over all sandboxes, or a filter on the parameter `sandbox` when
+    the rule is run for one sandbox on request (so that pass reads only that sandbox's rows)."""
 
     name: ClassVar[str]
     severity: ClassVar[Severity]
@@ -165,8 +172,10 @@ class SqlRule:
     threshold: ClassVar[int] = 100
     sql: ClassVar[str]
 
-    def query(self) -> str:
-        return self.sql.format(window_s=int(self.window_s), threshold=int(self.threshold))
+    def query(self, one_sandbox: bool = False) -> str:
+        """The SQL; with `one_sandbox`, restricted to the sandbox passed as parameter `sandbox`."""
+        return self.sql.format(window_s=int(self.window_s), threshold=int(self.threshold),
+                               scope=SANDBOX_SCOPE if one_sandbox else "")
 
     def message(self, n: int, window_s: float) -> str:
         raise NotImplementedError

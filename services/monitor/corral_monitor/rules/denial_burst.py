@@ -18,7 +18,7 @@ class DenialBurst(SqlRule):
         SELECT sandbox, any(job) AS job, any(node) AS node, count() AS n, min(ts) AS first_ts, max(ts) AS last_ts,
                groupArray(5)(id) AS sample_ids
         FROM audit_events
-        WHERE kind = 'syscall' AND denied AND ts >= now64(3) - INTERVAL {window_s} SECOND
+        WHERE kind = 'syscall' AND denied AND ts >= now64(3) - INTERVAL {window_s} SECOND {scope}
         GROUP BY sandbox
         HAVING n >= {threshold}
     """

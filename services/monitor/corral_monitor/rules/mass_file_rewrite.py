@@ -20,11 +20,11 @@ class MassFileRewrite(SqlRule):
                groupArray(5)(id) AS sample_ids
         FROM audit_events
         WHERE kind = 'file' AND op IN ('unlink', 'rename', 'write', 'truncate')
-          AND ts >= now64(3) - INTERVAL {window_s} SECOND
+          AND ts >= now64(3) - INTERVAL {window_s} SECOND {scope}
           AND NOT match(path, '/__pycache__/|[.]py[co]$|/[.]pytest_cache/')
           AND (sandbox, path) NOT IN (
               SELECT sandbox, path FROM audit_events
-              WHERE kind = 'file' AND op = 'create' AND ts >= now64(3) - INTERVAL {window_s} SECOND)
+              WHERE kind = 'file' AND op = 'create' AND ts >= now64(3) - INTERVAL {window_s} SECOND {scope})
         GROUP BY sandbox
         HAVING uniqExact(path) >= {threshold}
     """
