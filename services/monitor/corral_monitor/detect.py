@@ -23,6 +23,8 @@ log = logging.getLogger("corral.monitor.detect")
 RULE_ERRORS = metrics.counter("corral_monitor_rule_errors_total", "Rule evaluations that raised (the event is kept)", ("rule",))
 RULE_SECONDS = metrics.histogram("corral_monitor_rules_seconds", "Time to evaluate the stream rules on one batch",
                                  buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1))
+WINDOW_RUNS = metrics.counter("corral_monitor_window_runs_total", "Window (SQL) rule runs: over every sandbox (periodic) "
+                              "or over one sandbox (evaluate)", ("rule", "scope"))
 CACHE = metrics.counter("corral_monitor_rule_cache_total", "Exec verdicts served from the per-command cache", ("result",))
 CACHE_SIZE = 100_000
 EVIDENCE_COLUMNS = ("id", "ts", "node", "sandbox", "kind", "job", "cmd", "cwd", "op", "path", "pid", "comm", "syscall", "denied", "target")
@@ -42,7 +44,8 @@ class Detector:
         for r in rules:
             for k in r.kinds:
                 self.by_kind[k].append(r)
-        self.sql_due: dict[str, float] = {r.name: 0.0 for r in sql_rules}
+        # the first periodic pass one period after start (the window looks back far further)
+        self.sql_due: dict[str, float] = {r.name: time.monotonic() + (every_s or r.every_s) for r in sql_rules}
         # one run of a window rule at a time (the periodic pass, or one sandbox's on request): a
         # run sees the alerts of the one before stored, and their throttle state, so the same
         # burst is not alerted twice and an evaluate never misses an alert still being stored
@@ -199,6 +202,7 @@ class Detector:
 
     async def _run_sql_rule(self, r: SqlRule, sandbox: str | None) -> list[Alert]:
         params = {"sandbox": sandbox} if sandbox is not None else None
+        WINDOW_RUNS.labels(r.name, "all" if sandbox is None else "sandbox").inc()
         res = await asyncio.to_thread(self.store.query, r.query(sandbox is not None), 10_000, 30.0, False, params)
         col = {c: i for i, c in enumerate(res.columns)}
         alerts: list[Alert] = []

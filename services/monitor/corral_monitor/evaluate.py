@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from corral_common import bus, metrics
 from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest
 from corral_common.errors import Unavailable
+from corral_common.messages import ok
 
 from .alerts import AlertManager, finding_alert
 from .detect import Detector
@@ -41,7 +42,6 @@ EVALUATE_SECONDS = metrics.histogram("corral_monitor_evaluate_seconds", "Time to
                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 MAX_ALERTS = 500  # alerts in one reply (distinct rule, severity, message, paths; oldest first)
 FLOOR_POLL_S = 0.2  # how often the durable's ack floor is asked while this process's own mark lags
-encoder = msgspec.json.Encoder()
 
 ALERTS_SQL = """
     SELECT rule, severity, message, paths FROM alerts FINAL
@@ -55,6 +55,13 @@ LOST_SQL = """
     SELECT sum(toUInt64OrZero(detail['count'])) FROM audit_events FINAL
     WHERE kind = 'loss' AND sandbox = {sandbox:String}
 """
+
+
+def reply(r: EvaluateReply) -> bytes:
+    """`{"ok": true, ...EvaluateReply}` like every contract reply (an error is `{"ok": false,
+    "error"}`: a caller decoding EvaluateReply must check `ok` first, or an error would read as
+    "complete, no alerts"); every field spelled out, defaults too."""
+    return ok(alerts=msgspec.to_builtins(r.alerts), complete=r.complete, stored_seq=r.stored_seq, lost=r.lost)
 
 
 class Evaluator:
@@ -80,7 +87,7 @@ class Evaluator:
         await self.record(req)
         alerts, lost = await asyncio.to_thread(self._answer, req.sandbox)
         EVALUATE_SECONDS.labels("true" if complete else "false").observe(time.perf_counter() - t0)
-        return encoder.encode(EvaluateReply(alerts=alerts, complete=complete, stored_seq=stored, lost=lost))
+        return reply(EvaluateReply(alerts=alerts, complete=complete, stored_seq=stored, lost=lost))
 
     async def wait_stored(self, seq: int, wait_s: float) -> tuple[bool, int]:
         """Wait until every audit message through stream sequence `seq` is stored (at most
