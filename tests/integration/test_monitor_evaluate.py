@@ -180,3 +180,40 @@ async def test_malformed_requests_are_invalid_request(enc):
     # still serving, and nothing was recorded for the malformed ones
     assert (await evaluate(enc, EvaluateRequest(sandbox="x")))["ok"]
     assert await rows(enc, "SELECT count() FROM alerts WHERE sandbox = 'x'") == [[0]]
+
+
+MIGRATION_CHECK = r"""
+import sys
+import clickhouse_connect
+from corral_monitor.store import AlertRow, Store, wait_connect
+
+dsn = sys.argv[1]
+c = clickhouse_connect.get_client(dsn=dsn)
+# the alerts table as a monitor before `paths` made it
+c.command('''CREATE TABLE alerts (id String, ts DateTime64(3, 'UTC'), event_ts DateTime64(3, 'UTC'), rule LowCardinality(String),
+             severity LowCardinality(String), sandbox String, node LowCardinality(String), job String, message String,
+             evidence_ids Array(String), evidence String, ingested_at DateTime64(3, 'UTC') DEFAULT now64(3))
+             ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(event_ts) ORDER BY (rule, sandbox, event_ts, id)''')
+c.command("INSERT INTO alerts (id, ts, event_ts, rule, severity, sandbox, message) VALUES ('old', now64(3), now64(3), 'r', 'high', 'sb', 'm')")
+c.close()
+for _ in range(2):  # a second start finds the column there
+    s = wait_connect(dsn)
+    s.close()
+s = wait_connect(dsn)
+s.insert("alerts", [AlertRow(id="new", ts=1.7e9, event_ts=1.7e9, rule="r", severity="high", sandbox="sb", node="", job="",
+                              message="m", evidence_ids=[], evidence="[]", paths=["/a"])])
+print(sorted(s.query("SELECT id, paths FROM alerts ORDER BY id").rows))
+"""
+
+
+def test_existing_alerts_table_gets_the_paths_column(tmp_path):
+    """A monitor upgraded over an existing database adds `alerts.paths` (CREATE TABLE IF NOT
+    EXISTS alone would leave the old table, whose inserts skip unknown fields: every alert's paths
+    would be dropped without a word)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", MIGRATION_CHECK, f"chdb://{tmp_path}/monitor.db"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "[['new', ['/a']], ['old', []]]", p.stdout
