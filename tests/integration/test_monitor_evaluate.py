@@ -7,7 +7,6 @@ can then only come from the evaluate itself (the run counter of the periodic pas
 an answer that did not wait for the events to be *stored* (not just fetched) would miss them."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 

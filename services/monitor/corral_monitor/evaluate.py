@@ -100,7 +100,7 @@ class Evaluator:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                wm.raise_to(await self.ack_floor())
+                wm.raise_to(await asyncio.wait_for(self.ack_floor(), max(0.1, deadline - time.monotonic())))
             except Exception as e:  # JetStream busy or reconnecting: the local mark still counts
                 log.debug("ack floor unavailable", extra={"fields": {"error": repr(e)}})
             left = deadline - time.monotonic()
