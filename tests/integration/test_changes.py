@@ -199,3 +199,44 @@ async def test_audit_log_counts_losses_per_sandbox_and_publishes_them(nc):
     log.loss(b, "node-agent restarted", 0)  # a gap of unknown size counts as one
     sb2 = await log.sync(b)
     assert sb2.lost == 1 and sb2.reasons == ["node-agent restarted"] and sb2.last_seq > sb_.last_seq
+
+
+async def test_a_sandbox_adopted_by_a_restarted_agent_reports_an_audit_gap():
+    """While no agent ran, nothing of the sandbox was audited: its audit state says so, and a
+    `loss` event on its stream lets the monitor say so too."""
+    import os
+    import signal
+
+    import nats
+
+    from corral_sdk import AsyncClient
+
+    from ..conftest import running_stack
+    from .test_crash import _wait_node
+
+    async with running_stack(nodes=1) as stack:
+        node = "node-1"
+        c = await AsyncClient.connect(stack.url)
+        nc = await nats.connect(stack.url)
+        try:
+            sb = await c.create(image="busybox", cpu=0.1, memory_mb=32)
+            await sb.exec("echo before")
+            before = await sb.audit_state()
+            assert before.lost == 0 and not before.reasons
+
+            agent = stack.proc(node).popen
+            os.kill(agent.pid, signal.SIGKILL)
+            agent.wait()
+            stack.restart(node)
+            await _wait_node(stack.url, node)
+
+            after = await sb.audit_state()
+            assert after.lost >= 1 and "node-agent restarted" in after.reasons, after
+            last = await nc.jetstream().get_last_msg("CORRAL_AUDIT", f"corral.audit.{node}.{sb.id}")
+            assert last.seq <= after.last_seq
+            losses = [e for e in msgspec.json.decode(last.data, type=AuditBatch).events if e.kind == "loss"]
+            assert losses and losses[0].detail["reason"] == "node-agent restarted"
+            await sb.destroy()
+        finally:
+            await nc.close()
+            await c.close()
