@@ -240,3 +240,41 @@ async def test_a_sandbox_adopted_by_a_restarted_agent_reports_an_audit_gap():
         finally:
             await nc.close()
             await c.close()
+
+
+async def test_rate_limited_file_events_are_a_loss_the_audit_state_reports_at_once():
+    """audit drains the fanotify queue and reports this sandbox's drops now, not on the next tick:
+    right after the exec, its state counts them and a `loss` event is on its stream."""
+    import nats
+
+    from corral_sdk import AsyncClient
+
+    from ..conftest import running_stack
+
+    async with running_stack(nodes=1, monitor=False, node_args=["--file-events-rate", "50", "--file-events-burst", "200"]) as stack:
+        c = await AsyncClient.connect(stack.url)
+        nc = await nats.connect(stack.url)
+        try:
+            sb = await c.create(image="busybox", cpu=0.5, memory_mb=128)
+            r = await sb.exec("mkdir /tmp/many && cd /tmp/many && i=0; while [ $i -lt 2000 ]; do : > f$i; i=$((i+1)); done; echo ok",
+                              timeout_s=120)
+            assert r.stdout == "ok\n", r
+            st = await sb.audit_state()
+            assert st.lost > 0 and set(st.reasons) & {"file events rate-limited", "fanotify queue overflow"}, st
+            events = []
+            sub = await nc.jetstream().subscribe(f"corral.audit.{sb.info.node}.{sb.id}", ordered_consumer=True)
+            try:
+                while True:
+                    try:
+                        m = await sub.next_msg(timeout=1)
+                    except Exception:
+                        break
+                    events.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
+            finally:
+                await sub.unsubscribe()
+            losses = [e for e in events if e.kind == "loss"]
+            assert sum(int(e.detail["count"]) for e in losses) == st.lost
+            await sb.destroy()
+        finally:
+            await nc.close()
+            await c.close()
