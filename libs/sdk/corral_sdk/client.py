@@ -6,7 +6,7 @@ import asyncio
 import base64
 import inspect
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -17,8 +17,11 @@ from nats.errors import TimeoutError as NatsTimeout
 from corral_common import config, subjects
 from corral_common.errors import InvalidRequest, NotFound, Timeout, Unavailable, from_code
 from corral_common.messages import (
-    BatchProgress, CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder, new_id,
+    AuditState, BatchProgress, ChangesReply, ChangesRequest, CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder, new_id,
 )
+
+
+_T = TypeVar("_T")
 
 
 class _Error(msgspec.Struct):
@@ -89,6 +92,11 @@ class AsyncClient:
             raise InvalidRequest(f"request of {len(payload)} bytes is larger than the bus allows "
                                  f"({self.nc.max_payload} bytes); split it (e.g. several files.write calls)") from None
         return _check(msg.data, raw)
+
+    async def request_as(self, subject: str, payload: bytes, typ: type[_T], timeout: float, sandbox_id: str | None = None) -> _T:
+        """A request whose success reply (`{"ok": true, **fields}`) is decoded as `typ`."""
+        r = await self.request(subject, payload, timeout, sandbox_id=sandbox_id, raw=True)
+        return msgspec.convert(r.raw, typ)
 
     # ---------------------------------------------------------------- sandboxes
 
@@ -321,6 +329,20 @@ class AsyncSandbox:
         """Snapshot the sandbox's filesystem as an image; returns the image name."""
         r = await self._call("snapshot", {"name": name, "labels": labels or {}}, timeout=600, raw=True)
         return r.raw["image"]["name"] if r.raw else ""
+
+    async def changes(self, include: list[str] | None = None, exclude: list[str] | None = None, *,
+                      max_archive_bytes: int = 4 * 1024 * 1024, max_entries: int = 50_000, timeout: float = 120.0) -> ChangesReply:
+        """What the sandbox changed against its image, read by its node outside the sandbox (frozen
+        meanwhile); the changed regular files and symlinks under `include` come as a gzip'd tar
+        in `archive_b64`. Paths are absolute."""
+        req = ChangesRequest(include=include or [], exclude=exclude or [], max_archive_bytes=max_archive_bytes, max_entries=max_entries)
+        return await self.client.request_as(subjects.sandbox_op(self.id, "changes"), encoder.encode(req), ChangesReply, timeout,
+                                            sandbox_id=self.id)
+
+    async def audit_state(self, timeout: float = 30.0) -> AuditState:
+        """Have the node publish every audit event of this sandbox so far, and say up to which
+        CORRAL_AUDIT stream sequence that is and what was lost."""
+        return await self.client.request_as(subjects.sandbox_op(self.id, "audit"), b"{}", AuditState, timeout, sandbox_id=self.id)
 
     async def pause(self) -> None:
         await self._call("pause", {})

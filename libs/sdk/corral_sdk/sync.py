@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from corral_common.messages import ExecChunk, ExecResult, SandboxInfo
+from corral_common.messages import AuditState, ChangesReply, ExecChunk, ExecResult, SandboxInfo
 
 from .client import AsyncClient, AsyncSandbox
 
@@ -115,6 +115,12 @@ class Sandbox:
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) inside this sandbox; see AsyncSandbox.call."""
         return _run(self._a.call(fn, *args, **kwargs))
+
+    def changes(self, include: list[str] | None = None, exclude: list[str] | None = None, **kw: Any) -> ChangesReply:
+        return _run(self._a.changes(include, exclude, **kw))
+
+    def audit_state(self) -> AuditState:
+        return _run(self._a.audit_state())
 
     def pause(self) -> None:
         _run(self._a.pause())

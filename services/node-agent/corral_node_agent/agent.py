@@ -26,7 +26,7 @@ from corral_common.audit import AuditEvent, event_id
 from corral_common.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
 from corral_common.messages import NodeRun, SandboxSpec, new_id
 from corral_common.messages import (
-    Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
+    AuditState, ChangesRequest, Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
     NodeCapacity, NodeCreate, NodeUsage, RenewRequest, RestoreRequest, SandboxInfo, SnapshotRequest, TrajListRequest,
     TrajGetRequest, TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
 )
@@ -70,6 +70,9 @@ WRITTEN_BACK = "placement written back after the node was declared lost"
 WRITE_BACK_AGAIN_S = 3.0  # the second write-back, past a delete that was still on its way
 EVENTS = metrics.counter("corral_node_events_total", "Lifecycle events published", ("node", "kind"))
 LIMITS_DELAY_S = 0.2  # OOM kills / pids-limit hits are looked for this long after an exec ends
+# file-activity drop reasons (audit_files.py) as the `loss` reasons a grader reads
+LOSS_REASONS = {"rate_limit": "file events rate-limited", "queue_overflow": "fanotify queue overflow"}
+RESTART_GAP = "node-agent restarted"
 
 
 class AgentConfig(msgspec.Struct, kw_only=True):
@@ -184,6 +187,7 @@ class NodeAgent:
         self.responder = bus.Responder(self.nc, "node-agent")
         self.audit = AuditLog(self.js, self.node)
         self.audit.enabled = self.cfg.audit
+        self.audit.context = self._audit_context
         self.audit.start()
         self.traj = await TrajectoryLog(self.js).open()
         # the scheduler declared this node lost (it missed our heartbeats: paused, overloaded,
@@ -273,7 +277,7 @@ class NodeAgent:
         else:
             logs.kv(log, logging.WARNING, "state dir too long for the seccomp socket; denied syscalls are not audited", path=path)
         try:
-            self.files_audit = FileAudit(self.node, self._on_file_event)
+            self.files_audit = FileAudit(self.node, self._on_file_event, self._on_permission_overflow)
             self.files_audit.start()
         except OSError as e:
             self.files_audit = None
@@ -286,6 +290,25 @@ class NodeAgent:
             except OSError as e:
                 self.activity = None
                 logs.kv(log, logging.WARNING, "fanotify unavailable: file activity is not audited", error=str(e))
+
+    def _audit_context(self, sid: str) -> dict:
+        sb = self.sandboxes.get(sid)
+        info = sb.info if sb is not None else self.run_infos.get(sid)
+        return {"job": info.job, "labels": info.labels} if info else {}
+
+    async def _audit_state(self, sid: str) -> AuditState:
+        """`corral.v1.sandbox.<id>.audit`: read what the audit sources hold for the sandbox now
+        (fanotify queues, waiting seccomp notifications, file-event drops not yet reported), then
+        publish all of its events so far and wait for JetStream's acks."""
+        if self.files_audit is not None:
+            self.files_audit.drain()
+        if self.activity is not None:
+            self.activity.drain(sid)
+        if self.seccomp is not None:
+            self.seccomp.drain(sid)
+        if self.cfg.audit:
+            self._flush_limits(sid)
+        return await self.audit.sync(sid)
 
     def _audit_base(self, sid: str) -> dict:
         sb = self.sandboxes.get(sid)
@@ -309,7 +332,20 @@ class NodeAgent:
         self.audit.emit(AuditEvent(**self._audit_base(sid), kind=kind, op="open", path=path, pid=pid,  # type: ignore[arg-type]
                                    comm=comm_of(pid), denied=denied, detail=detail))
 
+    def _on_permission_overflow(self, sids: list[str]) -> None:
+        """The protected-path group's queue overflowed: whose events were lost is unknown, so every
+        sandbox it watches has a gap."""
+        for sid in sids:
+            self.audit.loss(sid, "fanotify queue overflow (protected paths)", 0)
+
     def _on_file_activity(self, sid: str, op: str, path: str, pid: int, detail: dict[str, str]) -> None:
+        if op == "dropped":  # rate-limited or a kernel queue overflow: this sandbox's record has a hole
+            reason = LOSS_REASONS.get(detail.get("reason", ""), f"file events dropped ({detail.get('reason', '')})")
+            try:
+                n = int(detail.get("dropped", "0"))
+            except ValueError:
+                n = 0
+            self.audit.loss(sid, reason, n)
         if op == "open" and "/.git/refs/heads/" in path:
             # read in a thread: .git/HEAD may carry a protected-path mark whose permission event
             # this very loop must answer
@@ -455,12 +491,16 @@ class NodeAgent:
             take = getattr(sub, "take_notify_fd", None)
             self.adopted += len(adopted)
             for sb in adopted:
+                # whatever it did while no agent ran (and what our predecessor held unpublished)
+                # is not on the stream: its record has a gap of unknown size
+                self.audit.loss(sb.id, RESTART_GAP, 0)
                 nfd = take(sb) if take is not None and self.seccomp is not None else None
                 if nfd is not None:
                     self.seccomp.register(sb.id, nfd)  # its notified calls answered and audited again
                 elif self.seccomp is not None and take is not None:
                     logs.kv(log, logging.WARNING, "adopted sandbox without a seccomp notify fd: its notified calls fail (ENOSYS), unaudited",
                             sandbox=sb.id)
+                    self.audit.loss(sb.id, "seccomp notify fd not recovered after restart", 0)
                 try:
                     await self._watch_files(sb)
                 except Exception as e:
@@ -685,6 +725,7 @@ class NodeAgent:
         except Exception:
             log.exception("teardown after run failed", extra={"fields": {"sandbox": info.id}})
         DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t1)
+        self.audit.forget(info.id)
         info.state = "destroyed"
         await self._publish_event(Event(kind="destroyed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job,
                                         reason="one-shot run finished", info=info,
@@ -784,6 +825,12 @@ class NodeAgent:
                 req = bus.decode(msg.data, SnapshotRequest)
                 image, layer, uploaded = await self._take_snapshot(sb, sub, req.name, req.labels)
                 return ok(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
+            if op == "changes":
+                creq = bus.decode(msg.data, ChangesRequest)
+                return ok(**msgspec.to_builtins(await sub.changes(sb, creq)))
+            if op == "audit":
+                bus.decode(msg.data, _Empty)
+                return ok(**msgspec.to_builtins(await self._audit_state(sid)))
             if op == "renew":
                 r = bus.decode(msg.data, RenewRequest)
                 sb.info.expires_at = time.time() + (r.ttl_s or sb.spec.ttl_s)
@@ -979,6 +1026,7 @@ class NodeAgent:
             self.substrate_of.pop(sid, None)
             self.destroying.discard(sid)
             self.usage.forget(sid)
+            self.audit.forget(sid)
         DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
         SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
         sb.info.state = "destroyed"

@@ -50,6 +50,7 @@ FAN_ONDIR = 0x40000000
 FAN_ALLOW = 0x1
 FAN_DENY = 0x2
 FAN_NOFD = -1
+FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
 O_LARGEFILE = 0o100000
 METADATA = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
@@ -117,9 +118,12 @@ def under(path: str, top: str) -> bool:
 
 
 class FileAudit:
-    def __init__(self, node: str, on_event: Callback):
+    def __init__(self, node: str, on_event: Callback, on_overflow: Callable[[list[str]], None] | None = None):
         self.node = node
         self.on_event = on_event
+        #: the kernel's queue overflowed (FAN_Q_OVERFLOW): called with every watched sandbox, as
+        #: the lost events cannot be attributed
+        self.on_overflow = on_overflow
         self.fd: int | None = None
         self.sandboxes: dict[str, Watched] = {}
         self.me = os.getpid()
@@ -307,6 +311,11 @@ class FileAudit:
                     return part
         return None
 
+    def drain(self) -> None:
+        """Answer everything queued now (agent `audit` op: the grader's consistent point)."""
+        if self.fd is not None:
+            self._on_ready()
+
     def _on_ready(self) -> None:
         assert self.fd is not None
         while True:
@@ -333,6 +342,8 @@ class FileAudit:
         allow = True
         try:
             if efd == FAN_NOFD:
+                if mask & FAN_Q_OVERFLOW and self.on_overflow is not None:
+                    self.on_overflow(list(self.sandboxes))
                 return
             try:
                 st = os.fstat(efd)

@@ -293,19 +293,34 @@ class FileActivity:
         DROPPED.labels(self.node, "rate_limit").inc()
         return False
 
-    def _on_ready(self, gfd: int, fid: bool) -> None:
-        for _ in range(64):  # bounded per wakeup so one busy sandbox cannot starve the loop
+    def drain(self, sid: str) -> None:
+        """Read everything the kernel has queued (the events of what a sandbox did so far are
+        queued by the time its syscalls returned), then report this sandbox's drops at once: the
+        grader's consistent point (agent `audit` op) must not wait for the next tick."""
+        for gfd, fid in ((self.fid_fd, True), (self.fd_fd, False)):
+            if gfd is not None:
+                for _ in range(1000):
+                    if self._on_ready(gfd, fid):
+                        break
+        w = self.watches.get(sid)
+        if w is not None:
+            self._notice(w, time.monotonic(), force=True)
+
+    def _on_ready(self, gfd: int, fid: bool) -> bool:
+        """Read up to 64 buffers (bounded per wakeup so one busy sandbox cannot starve the loop);
+        True when the queue was found empty."""
+        for _ in range(64):
             try:
                 buf = os.read(gfd, 1 << 16)
             except BlockingIOError:
-                return
+                return True
             except OSError as e:
                 if e.errno == errno.EINTR:
                     continue
                 log.warning("fanotify read failed", extra={"fields": {"error": str(e)}})
-                return
+                return True
             if not buf:
-                return
+                return True
             now = time.monotonic()
             off = 0
             while off + METADATA.size <= len(buf):
@@ -330,6 +345,7 @@ class FileActivity:
                     if efd >= 0:
                         os.close(efd)
                 off += event_len
+        return False
 
     def _overflow(self) -> None:
         DROPPED.labels(self.node, "queue_overflow").inc()

@@ -296,6 +296,20 @@ class SeccompListener:
         except Exception:
             log.exception("seccomp audit callback failed")
 
+    def drain(self, sid: str) -> None:
+        """Answer (and report) every notification this sandbox has waiting now: the grader's
+        consistent point (agent `audit` op) must not race the loop's next turn."""
+        for _ in range(1000):
+            nfd = self.fds.get(sid)
+            if nfd is None:
+                return
+            p = select.poll()
+            p.register(nfd, select.POLLIN)
+            ready = p.poll(0)
+            if not ready or not ready[0][1] & select.POLLIN:
+                return
+            self._on_ready(sid, nfd)
+
     def _drop(self, sid: str, nfd: int) -> None:
         if self.fds.get(sid) == nfd:
             del self.fds[sid]

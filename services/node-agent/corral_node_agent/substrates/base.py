@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import msgspec
 
-from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 ChunkCallback = Callable[[str, bytes], None]
 
@@ -78,6 +78,32 @@ class Substrate(abc.ABC):
         from corral_common.errors import InvalidRequest
 
         raise InvalidRequest(f"substrate {self.name!r} cannot snapshot")
+
+    async def changes(self, sb: Sandbox, req: ChangesRequest) -> ChangesReply:
+        """What the sandbox changed against its image, read host-side (nothing inside the sandbox
+        is trusted to list or pack it), and the regular files and symlinks under `req.include`
+        as a gzip'd tar. The sandbox is frozen while it is read, unless it cannot be."""
+        from corral_common.errors import InvalidRequest
+
+        raise InvalidRequest(f"substrate {self.name!r} cannot list changes")
+
+    async def frozen_changes(self, sb: Sandbox, upper: str, req: ChangesRequest) -> ChangesReply:
+        """`changes` for substrates whose writable layer is an overlay upper directory the host
+        sees: frozen (this substrate's pause) while it is walked, thawed after unless it was
+        paused before. Requests for one sandbox take turns, so one's thaw cannot land in the
+        middle of another's walk."""
+        from ..changes import list_changes
+
+        lock = sb.__dict__.setdefault("changes_lock", asyncio.Lock())
+        async with lock:
+            was_paused = bool(getattr(sb, "paused", False))
+            if not was_paused:
+                await self.pause(sb)
+            try:
+                return await asyncio.to_thread(list_changes, upper, req)
+            finally:
+                if not was_paused:
+                    await self.resume(sb)
 
     @abc.abstractmethod
     async def usage(self, sb: Sandbox) -> Usage: ...

@@ -33,7 +33,7 @@ import time
 import msgspec
 
 from corral_common.errors import Code, Conflict, CorralError, Internal, InvalidRequest, Unavailable
-from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from corral_common import linux
 
@@ -416,6 +416,12 @@ class ContainerSubstrate(Substrate):
         finally:
             linux.umount_or_detach(mnt)
             os.rmdir(mnt)
+
+    async def changes(self, sb: Sandbox, req: ChangesRequest) -> ChangesReply:
+        """The upper directory on the sandbox's tmpfs, reached through init's clone of it (no
+        mount needed: nothing resolves a path there but the walk, with dir fds)."""
+        assert isinstance(sb, ContainerSandbox)
+        return await self.frozen_changes(sb, f"{sb.rw}/upper", req)
 
     # ------------------------------------------------------------------ exec
 

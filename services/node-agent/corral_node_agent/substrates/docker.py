@@ -52,7 +52,7 @@ import msgspec
 from corral_common import dockerimg
 from corral_common.errors import Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Unavailable
 from corral_common.layers import check_image_name
-from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, oci
 from ..layermounts import LayerMounts
@@ -533,6 +533,16 @@ class DockerSubstrate(Substrate):
         except DockerError as e:
             raise _derr(e, f"{'pause' if paused else 'resume'} {sb.id}") from None
         sb.paused = paused
+
+    async def changes(self, sb: Sandbox, req: ChangesRequest) -> ChangesReply:
+        """Docker's overlay2 upper (`diff`) is on the tmpfs this substrate mounted over the
+        container's layer (docker_disk.py), on this host: walked host-side like `container`'s,
+        frozen with `docker pause`. (Docker's own `GET /containers/<id>/changes` knows no opaque
+        directories and its archive API reads through the merged view.)"""
+        assert isinstance(sb, DockerSandbox)
+        if not sb.layer_dir:
+            raise InvalidRequest(f"sandbox {sb.id}: its Docker writable layer is not known to this node-agent")
+        return await self.frozen_changes(sb, f"{sb.layer_dir}/diff", req)
 
     async def usage(self, sb: Sandbox) -> Usage:
         assert isinstance(sb, DockerSandbox)
