@@ -57,6 +57,15 @@ async def test_rollouts_graded(client, built, name):
     assert "No such file" in r.stdout and r.stdout.strip().endswith("rc=0"), r
     assert (await unsolved.files.read(bench.target)).decode() == bench.buggy
 
+    if bench.runner == "pytest":
+        # the ids derived on the host (pytest 9) are the ones the image's pytest (7.2) gives
+        made = pypi_envs.made(pypi_envs.TOOLZ, name)
+        r = await unsolved.exec(f"python3 -m pytest -q -p no:cacheprovider --collect-only {' '.join(made.visible_tests)}",
+                                cwd=bench.workdir)
+        collected = {line.strip() for line in r.stdout.splitlines() if "::" in line}
+        visible_p2p = {t for t in made.pass_to_pass if t.split("::")[0] in made.visible_tests}
+        assert visible_p2p and visible_p2p <= collected, sorted(visible_p2p - collected)[:5]
+
     await honest.files.write(bench.target, bench.fixed)
     await alt.files.write(bench.target, bench.alt_fixes[-1])
     g0, g1, g2 = await asyncio.gather(*(client.envs.grade(sb, destroy=True) for sb in (unsolved, honest, alt)))
