@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup system venv bench clean
+.PHONY: demo test setup system venv sdists bench clean
 
-setup: system venv
+setup: system venv sdists
 
 system:
 	@bash scripts/setup-system.sh
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# the pinned sdists of the real-package environments, fetched once so tests run offline
+sdists: venv
+	@$(PY) scripts/fetch-sdists.py >/dev/null
 
 demo: setup
 	$(VENV)/bin/corral demo

@@ -166,3 +166,88 @@ def test_debootstrap_progress():
     assert "unpacking pkg8" in phases and "configuring pkg9" in phases
     assert dict(updates)["downloading pkg9"] == pytest.approx(0.39)
     assert dict(updates)["unpacking pkg9"] == pytest.approx(0.96)
+
+
+def _toy_image(monkeypatch, recipe_text: list[str]) -> list[str]:
+    """Register a built-in `toy` image with a recipe (as debian has) whose builder writes the recipe
+    it was built from into the rootfs; returns the list of recipes built, in order."""
+    built: list[str] = []
+
+    def build(rootfs, progress):
+        os.makedirs(os.path.join(rootfs, "etc"))
+        with open(os.path.join(rootfs, "etc", "recipe"), "w") as f:
+            f.write(recipe_text[0])
+        built.append(recipe_text[0])
+        return f"toy {recipe_text[0]}"
+
+    monkeypatch.setitem(images.BUILDERS, "toy", build)
+    monkeypatch.setitem(images.RECIPES, "toy", lambda: recipe_text[0])
+    return built
+
+
+def test_changed_recipe_is_rebuilt_once(tmp_path, monkeypatch):
+    recipe = ["python3 git"]
+    built = _toy_image(monkeypatch, recipe)
+    store = ImageStore(str(tmp_path))
+    rootfs = store.ensure("toy")
+    assert json.loads((tmp_path / "toy" / "image.json").read_text())["recipe"] == images.recipe_digest("toy")
+    store.ensure("toy")
+    assert built == ["python3 git"]  # same recipe: the cached image is current
+
+    # an old reader keeps its directory open across the rebuild
+    old_fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        recipe[0] = "python3 git python3-pytest"
+        assert store.list() == []  # an image from an older recipe is not offered
+        with pytest.raises(NotFound):
+            store.path("toy")
+        assert store.ensure("toy") == rootfs
+        assert open(os.path.join(rootfs, "etc", "recipe")).read() == "python3 git python3-pytest"
+        store.ensure("toy")
+        assert built == ["python3 git", "python3 git python3-pytest"]
+        assert store.list() == ["toy"]
+        # the old tree was swapped out and removed, no build directory is left
+        assert sorted(os.listdir(tmp_path)) == [".toy.lock", "toy"]
+        assert os.listdir(f"/proc/self/fd/{old_fd}") == []  # the old rootfs: removed under the reader
+    finally:
+        os.close(old_fd)
+
+
+def test_image_without_recipe_digest_is_stale(tmp_path, monkeypatch):
+    """An image built before recipes existed (image.json without `recipe`) is rebuilt once."""
+    recipe = ["python3 git python3-pytest"]
+    built = _toy_image(monkeypatch, recipe)
+    d = tmp_path / "toy"
+    (d / "rootfs").mkdir(parents=True)
+    (d / "image.json").write_text(json.dumps({"name": "toy", "created_at": 0, "size_bytes": 0, "source": "old"}))
+    store = ImageStore(str(tmp_path))
+    assert store.list() == []
+    store.ensure("toy")
+    assert built == recipe
+    assert store.info("toy")["source"] == "toy python3 git python3-pytest"
+
+
+def test_failed_rebuild_keeps_the_old_image(tmp_path, monkeypatch):
+    recipe = ["v1"]
+    _toy_image(monkeypatch, recipe)
+    store = ImageStore(str(tmp_path))
+    rootfs = store.ensure("toy")
+    recipe[0] = "v2"
+
+    def broken(rootfs, progress):
+        os.makedirs(rootfs)
+        raise RuntimeError("mirror down")
+
+    monkeypatch.setitem(images.BUILDERS, "toy", broken)
+    with pytest.raises(RuntimeError, match="mirror down"):
+        store.ensure("toy")
+    assert open(os.path.join(rootfs, "etc", "recipe")).read() == "v1"  # still there for its readers
+    assert sorted(os.listdir(tmp_path)) == [".toy.lock", "toy"]
+
+
+def test_debian_recipe_names_its_packages(monkeypatch):
+    assert "python3-pytest" in images.DEBIAN_PACKAGES
+    now = images.recipe_digest("debian")
+    monkeypatch.setattr(images, "DEBIAN_PACKAGES", ("python3", "git"))
+    assert images.recipe_digest("debian") != now
+    assert images.recipe_digest("busybox") is None

@@ -7,7 +7,12 @@ into place, so a half-built image is never visible. Builds take an flock on `<ro
 so concurrent processes never build the same image twice.
 
 Built-in images: `busybox` (from the host's static busybox, milliseconds) and `debian` (debootstrap
-minbase bookworm with python3 and git, ~40 s, ~380 MB).
+minbase bookworm with python3, git and python3-pytest, ~60 s, ~290 MB).
+
+An image whose recipe (for debian: suite, variant and package list) is in RECIPES is ready only if
+its image.json carries that recipe's digest: a machine whose cached image was built from an older
+recipe rebuilds it once (into a temporary directory, then swapped in with one atomic rename)
+instead of silently lacking a package the recipe now has.
 
 A later issue replaces this with layered, lazily loaded EROFS images; keep the interface small:
 `ImageStore(root).path(name)`, `.list()`, `.ensure(name, progress)`.
@@ -21,8 +26,10 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import glob
+import hashlib
 import json
 import os
 import re
@@ -41,7 +48,8 @@ from corral_common.errors import InvalidRequest, NotFound, Internal
 DEFAULT_ROOT = "/var/lib/corral/images"
 DEBIAN_SUITE = "bookworm"
 DEBIAN_FALLBACK_MIRROR = "http://deb.debian.org/debian"
-DEBIAN_PACKAGES = ("python3", "git")
+# python3-pytest: environments whose tests are pytest suites run them with the image's own pytest
+DEBIAN_PACKAGES = ("python3", "git", "python3-pytest")
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 
@@ -70,8 +78,24 @@ class ImageStore:
         return os.path.join(self.root, name)
 
     def _ready(self, name: str) -> bool:
+        """Complete (image.json is written last) and, for an image with a recipe, built from the
+        current one: an image built from an older recipe counts as missing, so `ensure` rebuilds it."""
         d = self._dir(name)
-        return os.path.isfile(os.path.join(d, "image.json")) and os.path.isdir(os.path.join(d, "rootfs"))
+        if not (os.path.isfile(os.path.join(d, "image.json")) and os.path.isdir(os.path.join(d, "rootfs"))):
+            return False
+        want = recipe_digest(name)
+        if want is None:
+            return True
+        try:
+            with open(os.path.join(d, "image.json")) as f:
+                return json.load(f).get("recipe") == want
+        except (OSError, ValueError):
+            return False
+
+    def _complete(self, name: str) -> bool:
+        d = self._dir(name)
+        return (os.path.isdir(d) and not os.path.islink(d) and os.path.isfile(os.path.join(d, "image.json"))
+                and os.path.isdir(os.path.join(d, "rootfs")))
 
     def list(self) -> list[str]:
         """Names of the complete images, sorted."""
@@ -131,9 +155,11 @@ class ImageStore:
                     "source": source,
                     "build_seconds": round(time.monotonic() - t0, 3),
                 }
+                if recipe_digest(name) is not None:
+                    meta["recipe"] = recipe_digest(name)
                 _syncfs(tmp)  # the tree must be durable before image.json says it is complete
                 _write_atomic(os.path.join(tmp, "image.json"), json.dumps(meta, indent=2) + "\n")
-                os.rename(tmp, self._dir(name))
+                _swap_into_place(tmp, self._dir(name))
                 _fsync_dir(self.root)
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -158,11 +184,14 @@ class ImageStore:
             os.close(fd)  # releases the flock
 
     def _clean_stale(self, name: str) -> None:
-        """Under the lock: remove leftovers of crashed builds and an incomplete image directory."""
+        """Under the lock: remove leftovers of crashed builds and an incomplete image directory.
+
+        A complete image built from an older recipe stays in place (others may be reading it)
+        until the new build replaces it in one atomic swap."""
         for d in glob.glob(os.path.join(glob.escape(self.root), f".{glob.escape(name)}.build-*")):
             remove_tree(d)
         d = self._dir(name)
-        if os.path.lexists(d) and not self._ready(name):
+        if os.path.lexists(d) and not self._ready(name) and not self._complete(name):
             if os.path.isdir(d) and not os.path.islink(d):
                 stale = tempfile.mkdtemp(prefix=f".{name}.build-stale-", dir=self.root)
                 os.rename(d, os.path.join(stale, "old"))
@@ -172,6 +201,51 @@ class ImageStore:
 
 
 # ---------------------------------------------------------------- helpers
+
+def _debian_recipe() -> str:
+    return f"debootstrap --variant=minbase {DEBIAN_SUITE} include={','.join(sorted(DEBIAN_PACKAGES))}"
+
+
+# images whose content is chosen here (busybox is whatever the host has: no recipe)
+RECIPES: dict[str, Callable[[], str]] = {"debian": _debian_recipe}
+
+
+def recipe(name: str) -> str | None:
+    """What a built-in image is built from; None: no recipe, any complete image is current."""
+    fn = RECIPES.get(name)
+    return None if fn is None else fn()
+
+
+def recipe_digest(name: str) -> str | None:
+    r = recipe(name)
+    return None if r is None else hashlib.sha256(r.encode()).hexdigest()[:16]
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _swap_into_place(new: str, dest: str) -> None:
+    """Rename the built directory `new` to `dest`. If `dest` exists (an image from an older
+    recipe), the two are exchanged in one renameat2(RENAME_EXCHANGE), so readers always see a
+    complete image at `dest`, and the old tree (now at `new`) is removed. A filesystem without
+    RENAME_EXCHANGE gets two renames (dest briefly absent, never half-built)."""
+    if not os.path.lexists(dest):
+        os.rename(new, dest)
+        return
+    rc = _libc.renameat2(-100, os.fsencode(new), -100, os.fsencode(dest), _RENAME_EXCHANGE)  # AT_FDCWD
+    if rc != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"renameat2({new}, {dest}, RENAME_EXCHANGE): {os.strerror(err)}")
+        aside = new + ".old"
+        os.rename(dest, aside)
+        os.rename(new, dest)
+        remove_tree(aside)
+        return
+    try:
+        remove_tree(new)  # the old image
+    except (OSError, Internal):
+        pass  # the new image is in place; the next build's _clean_stale removes the leftover
 
 def _write_atomic(path: str, text: str) -> None:
     tmp = path + ".tmp"
