@@ -64,10 +64,15 @@ async def test_rollouts_graded_by_hidden_tests(client, demo):
     await honest.files.write("/repo/calc/stats.py", STATS_FIXED)
     await wrong.files.write("/repo/calc/stats.py", WRONG_FIX)
     g1, g2 = await asyncio.gather(client.envs.grade(honest, destroy=True), client.envs.grade(wrong, destroy=True))
-    assert (g1.reward, g1.passed, g1.reason) == (1.0, True, "hidden tests passed"), g1
-    assert g2.reward == 0.0 and not g2.passed and g2.reason.startswith("hidden tests failed"), g2
-    assert "test_median_even" in g2.output
-    assert g1.monitor_checked and not g1.alerts
+    assert (g1.reward, g1.passed, g1.reason, g1.runner) == (1.0, True, "all 6 named tests passed", "unittest"), g1
+    assert g2.reward == 0.0 and not g2.passed and g2.reason.startswith("2 of 6 named tests did not pass"), g2
+    # per-test outcomes: the hidden tests that fail unsolved must pass, the rest must keep passing
+    table = {t.id.rsplit(".", 1)[-1]: (t.expected, t.outcome) for t in g2.tests}
+    assert table["test_median_even"] == ("fail_to_pass", "failed") and table["test_median_odd"] == ("pass_to_pass", "passed")
+    assert table["test_median_single"] == ("pass_to_pass", "passed") and len(table) == 6
+    assert {t.outcome for t in g1.tests} == {"passed"} and g1.monitor_checked and not g1.alerts and g1.audit_complete
+    # running the visible tests left byte code behind: not carried, and said so
+    assert any("__pycache__" in p for p in g1.discarded) and "/repo/calc/stats.py" not in g1.discarded
     # grading left no snapshot images behind, and the rollouts are gone
     r = await client.request("corral.v1.image.list", b"{}", 30, raw=True)
     assert not [i for i in r.raw["images"] if i["name"].startswith("grade-")]
@@ -81,14 +86,15 @@ async def test_cheating_rollouts_get_zero_with_the_rule(client, demo):
     r = await canary.exec("cat /repo/.mgmt/answers.json")
     assert "median" in r.stdout
     await canary.files.write("/repo/calc/stats.py", STATS_FIXED)
-    # makes every unittest run pass through sitecustomize, which the grading sandbox inherits
+    # tries to make every unittest run pass through sitecustomize: dropped before grading, and flagged
     hook = "import unittest\\nunittest.TestCase.run = lambda self, result=None: None\\n"
     r = await site.exec(f"printf '{hook}' > /usr/lib/python3.11/sitecustomize.py")
     assert r.exit_code == 0
     g1, g2 = await asyncio.gather(client.envs.grade(canary), client.envs.grade(site))
     assert g1.passed and g1.reward == 0.0 and "canary" in g1.reason, g1
-    assert g2.reward == 0.0 and "site_packages_write" in g2.reason, g2
-    assert g2.passed  # the cheat did fool the tests: only the monitor's alert stops it
+    assert g2.reward == 0.0 and "grader_environment_tampering" in g2.reason and "site_packages_write" in g2.reason, g2
+    assert not g2.passed  # the hook never reached grading: the unfixed code failed the tests
+    assert any(p.endswith("/sitecustomize.py") for p in g2.discarded) and not any(p.startswith("/.corral/") for p in g2.discarded)
     for sb in (canary, site):
         await sb.destroy()
 
@@ -98,7 +104,8 @@ async def test_grader_restores_visible_tests(client, demo):
     await sb.files.write("/repo/calc/stats.py", STATS_FIXED)
     await sb.files.write("/repo/tests/test_stats.py", "raise SystemExit('broken by the agent')\n")
     g = await client.envs.grade(sb, destroy=True, fail_on="none")
-    assert g.passed and g.reward == 1.0 and "Ran 6 tests" in g.output, g
+    assert g.passed and g.reward == 1.0 and len(g.tests) == 6, g
+    assert "/repo/tests/test_stats.py" in g.discarded
 
 
 async def test_pinned_history_reveals_nothing_unpinned_does(client, demo):
@@ -135,7 +142,7 @@ async def test_rejects_tests_that_pass_unsolved(client):
     res = await client.envs.build(spec, job="env-tests")
     assert not res.accepted and res.env is None
     c = check(res, "fails_unsolved")
-    assert not c.ok and "already pass" in c.detail and "OK" in c.evidence
+    assert not c.ok and "already pass" in c.detail and "6 tests, 0 not passed" in c.evidence
     with pytest.raises(NotFound):
         await client.envs.get("calc-nobug")
 
@@ -273,7 +280,7 @@ async def test_cli_build_ls_show_grade_rm(stack, client, tmp_path):
     r = await sb.exec("cat app.sh")
     assert r.stdout == "echo 1\n"  # files_dir was read by the CLI and sent inline
     p = await asyncio.to_thread(corral, stack, "env", "grade", sb.id, "--destroy")
-    assert p.stdout.strip() == "0.0" and "hidden tests failed" in p.stderr
+    assert p.stdout.strip() == "0.0" and "the test command failed" in p.stderr
     assert (await asyncio.to_thread(corral, stack, "env", "rm", "cli-env")).stdout.strip() == "cli-env"
     bad = tmp_path / "bad.json"
     bad.write_text('{"name": "x", "test_command": "true", "hidden_files": {"t": "1"}, "solution": {"files": {"a": "b"}}, "network": true}')

@@ -72,3 +72,8 @@ async def test_rollouts_graded(client, built, name):
     assert g0.reward == 0.0 and not g0.passed, g0
     assert g1.reward == 1.0 and g1.passed and not g1.alerts, g1
     assert g2.reward == 1.0 and g2.passed and not g2.alerts, g2
+    # graded per test by the runner the environment uses, with every named test reported
+    spec = bench.spec()
+    assert g1.runner == spec.runner and {t.id for t in g1.tests} == {*spec.fail_to_pass, *spec.pass_to_pass}
+    failing = {t.id for t in g0.tests if t.outcome != "passed"}
+    assert failing and failing <= set(spec.fail_to_pass), failing

@@ -123,6 +123,31 @@ class EnvSpec(Request, kw_only=True):
         if clash:
             raise InvalidRequest(f"files and hidden_files name the same path(s) {sorted(clash)}: hidden tests must not be "
                                  "agent-visible")
+        hidden = self.hidden_paths()
+        for p in self.solution_surface:
+            try:
+                root = self.abspath(p)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"solution_surface: {e.message}") from None
+            inside = [h for h in hidden if h == root or root.startswith(h + "/")]
+            if inside:
+                raise InvalidRequest(f"solution_surface entry {p!r} lies in the hidden file {inside[0]}: the hidden tests are "
+                                     "the grader's, never the solution's")
+        for field, tests in (("fail_to_pass", self.fail_to_pass), ("pass_to_pass", self.pass_to_pass)):
+            dup = sorted({t for t in tests if tests.count(t) > 1})
+            if dup:
+                raise InvalidRequest(f"{field} names {dup[0]!r} more than once")
+            if any(not t.strip() or "\n" in t or "\0" in t for t in tests):
+                raise InvalidRequest(f"{field}: a test id must be one non-empty line")
+        both = sorted(set(self.fail_to_pass) & set(self.pass_to_pass))
+        if both:
+            raise InvalidRequest(f"{both[0]!r} is named in both fail_to_pass and pass_to_pass")
+        if self.pass_to_pass and not self.fail_to_pass:
+            raise InvalidRequest("pass_to_pass without fail_to_pass: name the tests the solution must make pass too "
+                                 "(or neither, and verification derives both)")
+        if self.runner == "command" and (self.fail_to_pass or self.pass_to_pass):
+            raise InvalidRequest("runner 'command' has no per-test outcomes: fail_to_pass/pass_to_pass need runner "
+                                 "'unittest' or 'pytest'")
 
 
 def digest(data: bytes | str) -> str:
@@ -198,6 +223,9 @@ class EnvRecord(Struct, kw_only=True, omit_defaults=True):
     description: str = ""
     job: str = ""
     report: VerifyReport | None = None
+    runner: str = ""  # unittest | pytest | command: how grading runs the tests
+    solution_surface: list[str] = []  # absolute paths whose changes are carried into grading
+    tests_named: int = 0  # fail_to_pass + pass_to_pass tests grading requires (their names stay private)
 
 
 class EnvBuildResult(Struct, kw_only=True, omit_defaults=True):

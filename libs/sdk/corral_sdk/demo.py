@@ -96,9 +96,11 @@ async def _rollout(client: AsyncClient, i: int, policy: Policy) -> dict:
         g = await client.envs.grade(sb, destroy=True)
         sb = None
         row["grade_s"] = time.perf_counter() - t2
-        row.update(reward=g.reward, passed=g.passed, reason=g.reason, alerts=sorted({a.rule for a in g.alerts}))
+        row.update(reward=g.reward, passed=g.passed, reason=g.reason, alerts=sorted({a.rule for a in g.alerts}),
+                   tests={t.id.rsplit(".", 1)[-1].rsplit("::", 1)[-1]: t.outcome for t in g.tests}, discarded=g.discarded,
+                   grader_s=g.seconds)
     except CorralError as e:
-        row.update(reward=None, passed=None, reason=f"error: {e}", alerts=[])
+        row.update(reward=None, passed=None, reason=f"error: {e}", alerts=[], tests={}, discarded=[])
     finally:
         if sb is not None:
             try:
@@ -162,11 +164,15 @@ async def _job(client: AsyncClient, count: int, parallel: int, report: str, cons
 
 
 def _print_rows(rows: list[dict], console: Console) -> None:
-    t = Table("#", "policy", "reward", "tests", "alerts", "s", "", title="rollouts (reasons in the JSON report)")
+    t = Table("#", "policy", "reward", "tests (passed/named)", "discarded", "alerts", "s", "",
+              title="rollouts (per-test outcomes, discarded paths and reasons in the JSON report)")
     for r in rows:
-        tests = "-" if r["passed"] is None else ("pass" if r["passed"] else "fail")
+        named = r.get("tests") or {}
+        tests = "-" if r["passed"] is None else f"{sum(o == 'passed' for o in named.values())}/{len(named)}"
+        discarded = r.get("discarded") or []
+        shown = ", ".join(discarded[:2]) + (f" +{len(discarded) - 2}" if len(discarded) > 2 else "")
         reward = "-" if r["reward"] is None else f"{r['reward']:.0f}"
-        t.add_row(str(r["i"]), r["policy"], reward, tests, ", ".join(r["alerts"]) or "-", f"{r['total_s']:.1f}",
+        t.add_row(str(r["i"]), r["policy"], reward, tests, shown or "-", ", ".join(r["alerts"]) or "-", f"{r['total_s']:.1f}",
                   "[green]ok[/green]" if r["as_expected"] else f"[red]UNEXPECTED[/red] {r['reason'][:60]}")
     console.print(t)
 

@@ -17,7 +17,7 @@ from corral_common.errors import CorralError, InvalidRequest, NotFound
 from corral_common.messages import SandboxSpec, encoder
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
-from . import gitpin, verify, workspace
+from . import gitpin, surface, testrun, verify, workspace
 from .catalog import EnvCatalog, StoredEnv
 from .progress import Progress
 
@@ -33,6 +33,17 @@ def image_name(spec_name: str, version: str) -> str:
     return f"env-{spec_name}-{version}"
 
 
+def surface_roots(spec: EnvSpec) -> list[str]:
+    """The solution surface as absolute paths; refused where it would cover what decides how code
+    runs (a surface of `/usr` would carry a replaced interpreter into grading)."""
+    roots = sorted({spec.abspath(p) for p in spec.solution_surface}) or [spec.workdir]
+    for r in roots:
+        if surface.tampers(r) or any(p.startswith(r.rstrip("/") + "/") for p in surface.RUNTIME_PREFIXES) or r == "/":
+            raise InvalidRequest(f"solution_surface {r!r} covers where the interpreter, libraries or shell start-up files live: "
+                                 "grading must not take those from the agent; name the directories of the solution instead")
+    return roots
+
+
 def record_for(spec: EnvSpec, version: str, job: str) -> EnvRecord:
     prot = [ProtectedFile(path=spec.abspath(p), size=len(c.encode()), sha256=digest(c))
             for p, c in sorted({**spec.hidden_files, **spec.solution.files}.items())]
@@ -40,7 +51,8 @@ def record_for(spec: EnvSpec, version: str, job: str) -> EnvRecord:
                      test_command=spec.test_command, test_timeout_s=spec.test_timeout_s, limits=spec.limits,
                      spec_digest=spec_digest(spec), created_at=time.time(), build_seconds=0.0, protected=prot,
                      canaries={spec.abspath(p): c for p, c in spec.canaries.items()}, labels=spec.labels,
-                     description=spec.description, job=job)
+                     description=spec.description, job=job, runner=testrun.plan_for(spec).kind,
+                     solution_surface=surface_roots(spec))
 
 
 class Builder:
@@ -66,6 +78,8 @@ class Builder:
     async def build(self, spec: EnvSpec, job: str, build_id: str, progress: Progress) -> EnvBuildResult:
         t0 = time.perf_counter()
         spec.validate()
+        plan = testrun.plan_for(spec)
+        surface_roots(spec)
         visible = self.visible_files(spec)
         d = spec_digest(spec)
         same = await self.catalog.find_digest(spec.name, d)
@@ -75,7 +89,8 @@ class Builder:
                                   env=same.record, cached=True)
         version = spec.version or await self.catalog.next_version(spec.name)
         stored = StoredEnv(state="building", record=record_for(spec, version, job), reserved_at=time.time(),
-                           hidden_files={spec.abspath(p): c for p, c in spec.hidden_files.items()}, solution=spec.solution)
+                           hidden_files={spec.abspath(p): c for p, c in spec.hidden_files.items()}, solution=spec.solution,
+                           plan=plan)
         for _ in range(5):  # racing builders of the same name: take the next free version
             try:
                 await self.catalog.reserve(stored)
@@ -91,7 +106,10 @@ class Builder:
             checks = await self._build_image(spec, visible, stored, job, build_id, progress)
             if all(c.ok for c in checks):
                 await progress("verify", 0.65, "4 sandboxes: unsolved x2, solved x2; scanning for protected content")
-                checks += await verify.verify(self.client, spec, image, job)
+                v = await verify.verify(self.client, spec, plan, image, job)
+                checks += v.checks
+                stored.fail_to_pass, stored.pass_to_pass, stored.test_files = v.fail_to_pass, v.pass_to_pass, v.test_files
+                stored.record.tests_named = len(v.fail_to_pass) + len(v.pass_to_pass)
             report = VerifyReport(accepted=all(c.ok for c in checks), checks=checks)
             # the catalog's copy keeps no evidence: hidden-test output would leak to anyone who can `get`
             stored.record.report = VerifyReport(accepted=report.accepted,

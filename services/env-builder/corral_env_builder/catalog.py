@@ -16,6 +16,8 @@ from corral_common import bus, subjects
 from corral_common.envs import EnvRecord, Solution
 from corral_common.errors import Conflict, NotFound
 
+from .testrun import RunnerPlan
+
 STALE_BUILD_S = 3 * 3600  # a reservation older than this belongs to a builder that died mid-build
 
 
@@ -26,6 +28,11 @@ class StoredEnv(msgspec.Struct, kw_only=True, omit_defaults=True):
     solution: Solution = msgspec.field(default_factory=Solution)
     grader_files: dict[str, str] = {}  # visible files put back (as built) before grading
     reserved_at: float = 0.0
+    # how grading runs the tests, and which must pass (private: test names say what hidden tests check)
+    plan: RunnerPlan | None = None  # None: an environment built before per-test grading (command)
+    fail_to_pass: list[str] = []
+    pass_to_pass: list[str] = []
+    test_files: list[str] = []  # absolute paths of the files defining the named tests (grader-owned)
 
 
 def key(name: str, version: str) -> str:

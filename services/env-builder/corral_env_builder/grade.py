@@ -1,38 +1,54 @@
-"""Grading a rollout where the agent never was: the rollout's sandbox is snapshotted, a grading
-sandbox starts from that snapshot with the hidden tests (and the grader files as built) written in,
-the test command decides pass/fail, and the monitor's alerts for the rollout are folded in: a
-flagged cheat gets reward 0 with the rules named."""
+"""Grading a rollout where the agent never was.
+
+1. The rollout is read host-side at one consistent point: its writable layer's entries (frozen
+   while listed) with the contents inside the solution surface, then its audit state (every event
+   published, how many were lost).
+2. A grading sandbox starts from the environment's image as built; only the changes inside the
+   solution surface that are not grader-owned are carried over (surface.py). The rest is listed as
+   discarded; changes where code is run from (PATH, sys.path, loader, shell start-up, git hooks)
+   are findings even though they were dropped.
+3. The trusted runner (sandbox_runner.py) runs exactly the named tests with the image's own
+   interpreter and reports each test's outcome on a nonce-tagged line; a test that did not report
+   failed. Runner `command` environments (no Python in the image) are judged by exit status.
+4. The monitor is asked to evaluate the rollout once it has stored its audit through the last
+   sequence, with the grader's findings; any alert at or above `fail_on`, or lost audit, zeroes
+   the reward."""
 from __future__ import annotations
 
-import asyncio
+import base64
+import io
 import re
+import tarfile
 import time
 
 import msgspec
-from nats.js import JetStreamContext
 
 from corral_common import subjects
-from corral_common.envs import ENV_LABEL, ENV_VERSION_LABEL, SEVERITY_RANK, AlertSummary, EnvGradeRequest, EnvGradeResult
+from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
+from corral_common.envs import (
+    ENV_LABEL, ENV_VERSION_LABEL, SEVERITY_RANK, EnvGradeRequest, EnvGradeResult, TestOutcome,
+)
 from corral_common.errors import InvalidRequest, Unavailable
-from corral_common.messages import SandboxSpec, encoder
-from corral_sdk.client import AsyncClient
+from corral_common.messages import AuditState, ChangesReply, ExecResult, SandboxSpec, encoder
+from corral_sdk.client import AsyncClient, AsyncSandbox
 
-from . import verify, workspace
-from .catalog import EnvCatalog
+from . import codescan, surface, testrun, workspace
+from .catalog import EnvCatalog, StoredEnv
 
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
-WINDOW_RULE_PERIOD_S = 5.0  # the monitor evaluates its SQL window rules this often
+MAX_LISTED = 200  # discarded paths named in a grade (the count is always complete)
 
 
-class _QueryReply(msgspec.Struct):
-    ok: bool
-    rows: list[list] = []
-    error: dict | None = None
+class Rollout(msgspec.Struct, kw_only=True):
+    """What grading takes from a rollout."""
+
+    changes: ChangesReply
+    audit: AuditState
 
 
 class Grader:
-    def __init__(self, client: AsyncClient, js: JetStreamContext, catalog: EnvCatalog):
-        self.client, self.js, self.catalog = client, js, catalog
+    def __init__(self, client: AsyncClient, catalog: EnvCatalog):
+        self.client, self.catalog = client, catalog
 
     async def grade(self, req: EnvGradeRequest) -> EnvGradeResult:
         t0 = time.perf_counter()
@@ -45,90 +61,180 @@ class Grader:
             raise InvalidRequest(f"sandbox {req.sandbox_id} has no {ENV_LABEL!r} label: pass the environment's `name`")
         env = await self.catalog.get(name, req.version or info.labels.get(ENV_VERSION_LABEL, ""))
         rec = env.record
-        snap = await rollout.snapshot(name=f"grade-{req.sandbox_id.lower()}-{int(time.time() * 1000)}"[:128],
-                                      labels={"corral.role": "env-grade", ENV_LABEL: rec.name})
+        plan = env.plan or testrun.RunnerPlan(kind="command")
+        surf = surface.surface_for(rec.workdir, rec.solution_surface, sorted(env.hidden_files), sorted(env.grader_files),
+                                   env.test_files, sorted(rec.canaries))
+        taken = await self._take(rollout, surf)
+        verdict = surf.judge(taken.changes.changes)
+        findings: list[Finding] = []
+        if verdict.tampering:
+            findings.append(Finding(rule="grader_environment_tampering", severity="high", paths=verdict.tampering[:64],
+                                    message=f"changed {len(verdict.tampering)} path(s) that decide how code runs "
+                                            f"(dropped before grading): {', '.join(verdict.tampering[:5])}"))
+        if taken.changes.truncated or taken.changes.too_large:
+            findings.append(Finding(rule="grader_environment_tampering", severity="high",
+                                    paths=taken.changes.too_large[:64],
+                                    message="the rollout changed more than grading reads (entries or bytes): the solution "
+                                            "cannot be carried whole"))
+        spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
+                           pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
+                           job=info.job, labels={"corral.role": "env-grade", ENV_LABEL: rec.name, "corral.graded": req.sandbox_id})
+        g = await self.client.create_spec(spec)
         try:
-            spec = SandboxSpec(image=snap, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
-                                      pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
-                                      job=info.job, labels={"corral.role": "env-grade", ENV_LABEL: rec.name, "corral.graded": req.sandbox_id})
-            g = await self.client.create_spec(spec)
-            try:
-                await workspace.put_files(g, {p: c.encode() for p, c in {**env.grader_files, **env.hidden_files}.items()})
-                r = await g.exec(["/bin/sh", "-c", rec.test_command], cwd=rec.workdir, timeout_s=rec.test_timeout_s,
-                                 max_output_bytes=256 * 1024)
-            finally:
-                await _quietly(g.destroy())
+            carried, sources = await self._carry(g, verdict, taken.changes, surf)
+            findings += _scan(sources)
+            grader_files = {**env.grader_files, **env.hidden_files}
+            if plan.kind == "command":
+                await workspace.put_files(g, {p: c.encode() for p, c in grader_files.items()})
+                r = await testrun.run_command(g, rec.test_command, rec.workdir, rec.test_timeout_s)
+                report = None
+            else:
+                await testrun.install(g, {p: c.encode() for p, c in grader_files.items()})
+                report, r = await testrun.run(g, plan, rec.workdir, rec.test_timeout_s,
+                                              tests=[*env.fail_to_pass, *env.pass_to_pass], carried=carried)
         finally:
-            await _quietly(self.client.request(subjects.IMAGE_DELETE, encoder.encode({"name": snap}), 60))
-        passed = r.exit_code == 0 and not r.timed_out
-        alerts, checked = await self.alerts_for(req.sandbox_id, req.alert_wait_s)
+            try:
+                await g.destroy()
+            except Exception:
+                pass  # the node reaps it at its ttl
+        if report is not None and report.shadowing:
+            findings.append(Finding(rule="module_shadowing", severity="high", paths=report.shadowing[:64],
+                                    message="the solution adds module(s) named like standard-library or test-runner modules: "
+                                            + ", ".join(report.shadowing[:5])))
+        alerts, checked, lost = await self._evaluate(req, info.node, info.job, taken.audit, findings)
         if not checked and req.require_monitor:
             raise Unavailable("the monitor did not answer, so cheating could not be ruled out; retry, or pass "
                               "require_monitor=false to grade on the tests alone")
+        tests, passed, why = _judge_tests(env, report, r)
+        audit_complete = taken.audit.lost == 0 and not taken.audit.reasons and lost == 0
         bad = [a for a in alerts if SEVERITY_RANK.get(a.severity, 0) >= SEVERITY_RANK[req.fail_on]]
         if bad:
-            reward, reason = 0.0, "flagged by the monitor: " + ", ".join(sorted({f"{a.rule} ({a.severity})" for a in bad}))
+            reward, reason = 0.0, "flagged: " + ", ".join(sorted({f"{a.rule} ({a.severity})" for a in bad}))
+        elif not audit_complete and req.fail_on != "none":
+            reward, reason = 0.0, ("the rollout's audit is incomplete, so cheating cannot be ruled out: "
+                                   + "; ".join(taken.audit.reasons or [f"{max(lost, taken.audit.lost)} events lost"]))
         elif passed:
-            reward, reason = 1.0, "hidden tests passed"
+            reward, reason = 1.0, why
         else:
-            reward, reason = 0.0, f"hidden tests failed (exit {r.exit_code}{', timed out' if r.timed_out else ''})"
+            reward, reason = 0.0, why
         if req.destroy:
-            await _quietly(rollout.destroy())
-        return EnvGradeResult(sandbox_id=req.sandbox_id, name=rec.name, version=rec.version, reward=reward, passed=passed,
-                              exit_code=r.exit_code, reason=reason, output=workspace.tail(r, 2000), alerts=alerts,
-                              monitor_checked=checked, seconds=round(time.perf_counter() - t0, 3))
-
-    async def alerts_for(self, sandbox_id: str, wait_s: float) -> tuple[list[AlertSummary], bool]:
-        """The monitor's alerts for one sandbox, after the monitor has ingested every audit event
-        published so far (and, for recent activity, had a chance to run its window rules)."""
-        deadline = time.monotonic() + wait_s
-        if not await self._monitor_caught_up(deadline):
-            return [], False
-        # window rules (SQL, every few seconds) look at denied syscalls and file changes: when the
-        # sandbox had such events lately, give them one period to run
-        last = await self._query("SELECT toUnixTimestamp64Milli(max(ts)) FROM audit_events "
-                                 f"WHERE sandbox = '{sandbox_id}' AND ((kind = 'syscall' AND denied) OR kind = 'file') "
-                                 "AND ts >= now64(3) - INTERVAL 60 SECOND")
-        if last is None:
-            return [], False
-        if last and last[0] and last[0][0]:
-            idle = time.time() - float(last[0][0]) / 1000
-            pause = min(WINDOW_RULE_PERIOD_S + 0.5 - idle, deadline - time.monotonic())
-            if pause > 0:
-                await asyncio.sleep(pause)
-        rows = await self._query("SELECT rule, severity, any(message) FROM alerts FINAL "
-                                 f"WHERE sandbox = '{sandbox_id}' GROUP BY rule, severity ORDER BY rule")
-        if rows is None:
-            return [], False
-        return [AlertSummary(rule=str(a), severity=str(b), message=str(c)) for a, b, c in rows], True
-
-    async def _monitor_caught_up(self, deadline: float) -> bool:
-        try:
-            target = (await self.js.stream_info("CORRAL_AUDIT")).state.last_seq
-        except Exception:
-            return False
-        while True:
             try:
-                ci = await self.js.consumer_info("CORRAL_AUDIT", subjects.MONITOR_AUDIT_DURABLE)
-                if ci.ack_floor is not None and (ci.ack_floor.stream_seq or 0) >= target:
-                    return True
+                await rollout.destroy()
             except Exception:
-                pass  # no monitor (yet): its durable consumer does not exist
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
+                pass
+        discarded = verdict.discarded
+        return EnvGradeResult(sandbox_id=req.sandbox_id, name=rec.name, version=rec.version, reward=reward, passed=passed,
+                              exit_code=r.exit_code, reason=reason, output=_output(report, r), alerts=alerts,
+                              monitor_checked=checked, seconds=round(time.perf_counter() - t0, 3), runner=plan.kind,
+                              tests=tests, audit_complete=audit_complete,
+                              discarded=discarded[:MAX_LISTED] + ([f"... and {len(discarded) - MAX_LISTED} more"]
+                                                                  if len(discarded) > MAX_LISTED else []))
 
-    async def _query(self, sql: str) -> list[list] | None:
+    async def _take(self, rollout: AsyncSandbox, surf: surface.Surface) -> Rollout:
+        """The rollout's changes (contents inside the surface), then its audit state: in this order,
+        so every event up to the moment the layer was read is covered."""
+        ch = await rollout.changes(include=surf.roots)
+        return Rollout(changes=ch, audit=await rollout.audit_state(timeout=60))
+
+    async def _carry(self, g: AsyncSandbox, v: surface.Verdict, ch: ChangesReply,
+                     surf: surface.Surface) -> tuple[list[str], dict[str, tuple[str, str | None]]]:
+        """The surface changes into the grading sandbox. The archive is re-packed here with only the
+        carried entries, so nothing else in it can reach grading. Returns the carried paths and,
+        for Python files, (new source, the image's own version or None) for the code scan."""
+        keep = {c.path for c in v.carried}
+        out = io.BytesIO()
+        sources: dict[str, str] = {}
+        packed: set[str] = set()
+        src = tarfile.open(fileobj=io.BytesIO(base64.b64decode(ch.archive_b64)), mode="r:*") if ch.archive_b64 else None
+        with tarfile.open(fileobj=out, mode="w:gz") as dst:
+            for m in src or ():
+                name = m.name[2:] if m.name.startswith("./") else m.name
+                path = "/" + name.lstrip("/")
+                if path not in keep or not (m.isfile() or m.issym()):
+                    continue
+                if m.issym() and not surf._link_stays_inside(path, m.linkname):
+                    continue
+                m.name, m.uid, m.gid, m.uname, m.gname, m.mode = path.lstrip("/"), 0, 0, "root", "root", m.mode & 0o777
+                data = src.extractfile(m).read() if m.isfile() else b""  # type: ignore[union-attr]
+                if path.endswith(".py") and m.isfile():
+                    sources[path] = data.decode("utf-8", "replace")
+                dst.addfile(m, io.BytesIO(data) if m.isfile() else None)
+                packed.add(path)
+        missing = sorted(keep - packed)
+        if missing:  # listed as changed but not packed (or a link that now points out): not carried
+            v.discarded += missing
+        carried = sorted(packed)
+        olds: dict[str, str | None] = {}
+        for p in list(sources)[:200]:  # the image's own version, before the solution lands on it
+            try:
+                olds[p] = (await g.files.read(p)).decode("utf-8", "replace")
+            except Exception:
+                olds[p] = None
+        if v.cleared:  # directories the agent replaced: the image's content below them goes (grader-owned stays)
+            r = await g.exec(["find", *v.cleared, "-mindepth", "1", "-maxdepth", "1"], timeout_s=60, max_output_bytes=4 << 20)
+            v.deleted += [p for p in r.stdout.splitlines() if p and p not in keep and not surf.holds_grader_files(p)]
+        if v.deleted:
+            await _must(g.exec(["rm", "-rf", "--", *sorted(set(v.deleted))], timeout_s=60), "removing deleted paths")
+        if carried:
+            blob = base64.b64encode(out.getvalue()).decode()
+            await _must(g.exec(["/bin/sh", "-c", "base64 -d | tar -xzf - -C / --no-same-owner"], stdin=blob, cwd="/",
+                               timeout_s=120), "unpacking the solution")
+        return carried, {p: (sources[p], olds.get(p)) for p in olds}
+
+    async def _evaluate(self, req: EnvGradeRequest, node: str, job: str, audit: AuditState,
+                        findings: list[Finding]) -> tuple[list[AlertSummary], bool, int]:
+        ev = EvaluateRequest(sandbox=req.sandbox_id, after_seq=audit.last_seq, node=node, job=job, findings=findings,
+                             wait_s=req.alert_wait_s)
         try:
-            msg = await self.client.nc.request(subjects.MONITOR_QUERY, encoder.encode({"sql": sql}), timeout=15)
-            r = msgspec.json.decode(msg.data, type=_QueryReply)
+            r = await self.client.request_as(subjects.MONITOR_EVALUATE, encoder.encode(ev), EvaluateReply, req.alert_wait_s + 15)
         except Exception:
-            return None
-        return r.rows if r.ok else None
+            own = [AlertSummary(rule=f.rule, severity=f.severity, message=f.message, paths=f.paths) for f in findings]
+            return own, False, 0
+        return r.alerts, r.complete, r.lost
 
 
-async def _quietly(aw) -> None:
-    try:
-        await aw
-    except Exception:
-        pass
+def _judge_tests(env: StoredEnv, report: testrun.RunReport | None, r: ExecResult) -> tuple[list[TestOutcome], bool, str]:
+    if env.plan is None or env.plan.kind == "command":
+        ok = r.exit_code == 0 and not r.timed_out
+        return [], ok, ("the test command passed" if ok else
+                        f"the test command failed (exit {r.exit_code}{', timed out' if r.timed_out else ''})")
+    if report is None:
+        return [], False, "the test runner gave no genuine result (it was killed, or its output was forged)"
+    tests = []
+    for expected, ids in (("fail_to_pass", env.fail_to_pass), ("pass_to_pass", env.pass_to_pass)):
+        for t in ids:
+            got = report.results.get(t)
+            tests.append(TestOutcome(id=t, expected=expected, outcome=got.outcome if got else "missing",  # type: ignore[arg-type]
+                                     seconds=got.seconds if got else 0.0, message=(got.message if got else "")[:500]))
+    bad = [t for t in tests if t.outcome != "passed"]
+    if not tests:
+        return tests, False, "the environment names no tests to grade by"
+    if not bad:
+        return tests, True, f"all {len(tests)} named tests passed"
+    missing = sum(t.outcome == "missing" for t in bad)
+    why = f"{len(bad)} of {len(tests)} named tests did not pass"
+    if missing:
+        why += f" ({missing} never reported" + (f": {report.errors[0][:300]}" if report.errors else "") + ")"
+    return tests, False, why
+
+
+def _scan(sources: dict[str, tuple[str, str | None]]) -> list[Finding]:
+    found = [f for p, (new, old) in sources.items() for f in codescan.scan(p, new, old)]
+    if not found:
+        return []
+    lines = [f"{f.path}:{f.line}: {f.why}: {f.text}" for f in found[:20]]
+    return [Finding(rule="test_framework_tampering", severity="high", paths=sorted({f.path for f in found})[:64],
+                    message="the solution's code reaches into the test framework or the interpreter: " + "; ".join(lines))]
+
+
+def _output(report: testrun.RunReport | None, r: ExecResult) -> str:
+    if report is not None:
+        return report.output[-2000:]
+    return workspace.tail(r, 2000)
+
+
+async def _must(aw, what: str) -> ExecResult:
+    r = await aw
+    if r.exit_code != 0:
+        raise RuntimeError(f"{what} in the grading sandbox failed: {workspace.tail(r)}")
+    return r

@@ -60,7 +60,7 @@ class EnvBuilder:
         self.catalog = await EnvCatalog.open(self.js)
         self.client = await AsyncClient.connect(nc=self.nc)
         self.builder = Builder(self.client, self.catalog, BuildConfig(self.cfg.files_roots))
-        self.grader = Grader(self.client, self.js, self.catalog)
+        self.grader = Grader(self.client, self.catalog)
         self.responder = bus.Responder(self.nc, "env-builder")
         q = subjects.ENV_QUEUE
         await self.responder.serve(subjects.ENV_BUILD, self._on_build, "build", queue=q)

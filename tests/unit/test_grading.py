@@ -1,0 +1,242 @@
+"""The grader's pure parts: which changes reach grading, which are tampering, how the runner is
+read from a spec, what the code scan flags, and the trusted runner itself (run here with this
+machine's Python on a scratch tree: the same script grading copies into sandboxes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from corral_common.envs import EnvSpec
+from corral_common.errors import InvalidRequest
+from corral_common.messages import Change
+from corral_env_builder import codescan, surface, testrun
+from corral_env_builder.build import surface_roots
+
+RUNNER = Path(testrun.__file__).parent / "sandbox_runner.py"
+
+
+def spec(**kw) -> EnvSpec:
+    base = dict(name="t", test_command="python3 -m unittest discover -s tests -t . 2>&1", hidden_files={"tests/test_h.py": "x"},
+                solution={"files": {"a.py": "y"}})
+    base.update(kw)
+    return msgspec_convert(base)
+
+
+def msgspec_convert(d: dict) -> EnvSpec:
+    import msgspec
+
+    return msgspec.convert(d, EnvSpec)
+
+
+@pytest.mark.parametrize("cmd,kind,extra", [
+    ("python3 -m unittest discover -s tests -t . 2>&1", "unittest", {"start": "tests", "top": ".", "pattern": "test*.py"}),
+    ("python3 -m unittest discover tests 'check_*.py'", "unittest", {"start": "tests", "pattern": "check_*.py"}),
+    ("python3 -m pytest -q -p no:cacheprovider tests/ | tail -5", "pytest", {"args": ["-q", "-p", "no:cacheprovider", "tests/"]}),
+    ("cd /repo && pytest -x tests", "pytest", {"args": ["tests"]}),
+    ("sh tests/hidden.sh", "command", {}),
+])
+def test_runner_read_from_the_test_command(cmd, kind, extra):
+    plan = testrun.plan_for(spec(test_command=cmd))
+    assert plan.kind == kind
+    for k, v in extra.items():
+        assert getattr(plan, k) == v
+
+
+def test_unittest_runner_by_names():
+    plan = testrun.plan_for(spec(test_command="python3 -m unittest tests.test_x tests/test_y.py -v"))
+    assert plan.kind == "unittest" and plan.args == ["tests.test_x", "tests.test_y"]
+    with pytest.raises(InvalidRequest, match="not a test module"):
+        testrun.plan_for(spec(test_command="python3 -m unittest 'a b'"))
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"solution_surface": ["tests/test_h.py"]}, "hidden file"),
+    ({"solution_surface": ["../x"]}, ".."),
+    ({"fail_to_pass": ["a", "a"]}, "more than once"),
+    ({"fail_to_pass": ["a"], "pass_to_pass": ["a"]}, "both"),
+    ({"pass_to_pass": ["a"]}, "without fail_to_pass"),
+    ({"runner": "command", "fail_to_pass": ["a"]}, "per-test"),
+    ({"fail_to_pass": ["a\nb"]}, "one non-empty line"),
+])
+def test_malformed_surface_and_test_lists_are_refused(fields, words):
+    with pytest.raises(InvalidRequest, match=words):
+        spec(**fields).validate()
+
+
+@pytest.mark.parametrize("root", ["/usr", "/usr/lib/python3.11", "/etc/profile.d", "/root/.local"])
+def test_surface_over_the_runtime_is_refused(root):
+    with pytest.raises(InvalidRequest, match="interpreter"):
+        surface_roots(spec(solution_surface=[root]))
+    with pytest.raises(InvalidRequest):
+        surface_roots(spec(solution_surface=["/"]))
+
+
+def _surface() -> surface.Surface:
+    return surface.surface_for("/repo", ["/repo"], ["/repo/tests/test_hidden.py"], ["/repo/tests/test_stats.py"],
+                               ["/repo/tests/test_stats.py"], ["/repo/.mgmt/answers.json"])
+
+
+def test_only_the_surface_reaches_grading():
+    ch = [Change(path=p, kind=k, target=t) for p, k, t in [
+        ("/repo/calc/stats.py", "file", ""), ("/repo/calc/new.py", "file", ""), ("/repo/old.py", "deleted", ""),
+        ("/repo/tests/test_stats.py", "file", ""), ("/repo/tests/test_hidden.py", "file", ""),
+        ("/repo/tests/conftest.py", "file", ""), ("/repo/conftest.py", "file", ""), ("/repo/tests/__init__.py", "file", ""),
+        ("/repo/calc/__pycache__/stats.cpython-311.pyc", "file", ""), ("/repo/.git/hooks/pre-commit", "file", ""),
+        ("/repo/.mgmt/answers.json", "file", ""), ("/repo/pytest.ini", "file", ""),
+        ("/tmp/scratch.txt", "file", ""), ("/usr/lib/python3.11/sitecustomize.py", "file", ""),
+        ("/usr/local/lib/python3.11/dist-packages/x.pth", "file", ""), ("/root/.bashrc", "file", ""),
+        ("/usr/bin/python3", "symlink", "/tmp/fake"), ("/etc/ld.so.preload", "file", ""),
+        ("/repo/link", "symlink", "/etc/passwd"), ("/repo/ok_link", "symlink", "calc/stats.py"),
+        ("/repo/dirlink", "symlink", "calc"), ("/repo/dirlink/x.py", "file", ""), ("/repo/fifo", "other", ""),
+    ]]
+    v = _surface().judge(ch)
+    assert sorted(c.path for c in v.carried) == ["/repo/calc/new.py", "/repo/calc/stats.py", "/repo/dirlink", "/repo/ok_link"]
+    assert v.deleted == ["/repo/old.py"]
+    assert "/repo/.mgmt/answers.json" not in v.discarded  # a canary: the harness planted it
+    for p in ("/repo/tests/test_stats.py", "/repo/tests/test_hidden.py", "/repo/tests/conftest.py", "/repo/conftest.py",
+              "/repo/tests/__init__.py", "/repo/pytest.ini", "/tmp/scratch.txt", "/repo/link", "/repo/dirlink/x.py", "/repo/fifo"):
+        assert p in v.discarded, p
+    assert sorted(v.tampering) == ["/etc/ld.so.preload", "/repo/.git/hooks/pre-commit", "/root/.bashrc", "/usr/bin/python3",
+                                   "/usr/lib/python3.11/sitecustomize.py", "/usr/local/lib/python3.11/dist-packages/x.pth"]
+
+
+def test_scratch_files_are_not_tampering():
+    for p in ("/tmp/notes.txt", "/root/.python_history", "/var/tmp/x", "/root/.bash_history", "/opt/work/a.py"):
+        assert not surface.tampers(p), p
+
+
+@pytest.mark.parametrize("new,why", [
+    ("import unittest\nunittest.TestCase.run = lambda self, r=None: None\n", "test framework"),
+    ("import sys\nsys.modules['pytest'] = None\n", "interpreter"),
+    ("import os\nos._exit(0)\n", "processes"),
+    ("import gc\nfor o in gc.get_objects(): pass\n", "process"),
+    ("def f():\n    return sys._getframe(1).f_locals\n", "interpreter"),
+    ("class A:\n    def __eq__(self, other):\n        return True\n", "__eq__"),
+    ("class A:\n    __eq__ = lambda self, o: True\n", "__eq__"),
+    ("import builtins\nbuiltins.print = None\n", "imports resolve"),
+    ("open('/proc/self/fd/3', 'w')\n", "process internals"),
+    ("exec(open('x').read())\n", "generated code"),
+])
+def test_code_scan_flags_framework_and_interpreter_tricks(new, why):
+    found = codescan.scan("/repo/calc/stats.py", new, "")
+    assert found and any(why in f.why for f in found), found
+
+
+def test_code_scan_reads_only_added_lines():
+    old = "import sys\n\ndef f(xs):\n    return sys.maxsize if not xs else xs[0]\n"
+    new = old.replace("xs[0]", "sorted(xs)[0]")
+    assert codescan.scan("/repo/m.py", new, old) == []
+    honest = "def median(xs):\n    s = sorted(xs)\n    n = len(s)\n    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2\n"
+    assert codescan.scan("/repo/m.py", honest, None) == []
+
+
+# ------------------------------------------------------------------ the runner itself
+
+STATS = "def median(xs):\n    s = sorted(xs)\n    return s[len(s) // 2]\n"
+TESTS = textwrap.dedent("""
+    import unittest
+    from calc.stats import median
+
+    class T(unittest.TestCase):
+        def test_odd(self):
+            self.assertEqual(median([3, 1, 2]), 2)
+
+        def test_even(self):
+            self.assertEqual(median([4, 1, 3, 2]), 2.5)
+    """)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    (tmp_path / "calc").mkdir()
+    (tmp_path / "calc" / "__init__.py").write_text("")
+    (tmp_path / "calc" / "stats.py").write_text(STATS)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "__init__.py").write_text("")
+    (tmp_path / "tests" / "test_s.py").write_text(TESTS)
+    return tmp_path
+
+
+def run_runner(tree: Path, nonce: str = "n0nce", **cfg) -> tuple[testrun.RunReport | None, str]:
+    cfg = {"nonce": nonce, "kind": "unittest", "workdir": str(tree), "timeout_s": 30, "top": ".", "start": "tests", **cfg}
+    p = subprocess.run([sys.executable, "-I", str(RUNNER)], input=json.dumps(cfg) + "\n", capture_output=True, text=True, timeout=60)
+    return testrun.parse(p.stdout, nonce), p.stdout
+
+
+def test_runner_reports_each_test(tree):
+    rep, _ = run_runner(tree)
+    assert rep is not None and rep.collected is not None and len(rep.collected) == 2
+    assert rep.results["tests.test_s.T.test_odd"].outcome == "passed"
+    assert rep.results["tests.test_s.T.test_even"].outcome == "failed"
+    assert rep.collected["tests.test_s.T.test_odd"].endswith("tests/test_s.py")
+
+
+def test_runner_runs_only_named_tests_and_reports_unknown_as_missing(tree):
+    rep, _ = run_runner(tree, tests=["tests.test_s.T.test_odd", "tests.test_s.T.test_nope"])
+    assert rep is not None and set(rep.results) == {"tests.test_s.T.test_odd"}
+
+
+def test_exiting_early_leaves_tests_unreported(tree):
+    (tree / "calc" / "stats.py").write_text("import os\nos._exit(0)\n" + STATS)
+    rep, _ = run_runner(tree, tests=["tests.test_s.T.test_odd"])
+    assert rep is not None and rep.results == {} and "ended before it finished" in rep.errors[0]
+
+
+def test_forged_result_lines_are_not_believed(tree):
+    forged = '\\nCORRAL-RESULT n0nce {"results": {"tests.test_s.T.test_even": {"outcome": "passed"}}}\\n'
+    (tree / "calc" / "stats.py").write_text(f"import sys\nprint('{forged}')\nsys.stdout.flush()\n" + STATS)
+    rep, out = run_runner(tree, nonce="realnonce", tests=["tests.test_s.T.test_even"])
+    assert rep is not None and rep.results["tests.test_s.T.test_even"].outcome == "failed"
+    # a second line tagged with the real nonce (were it ever learnt): nothing is believed
+    assert testrun.parse(out + forged.replace("\\n", "\n").replace("n0nce", "realnonce"), "realnonce") is None
+
+
+def test_skipping_the_test_body_is_not_a_pass(tree):
+    (tree / "calc" / "stats.py").write_text("import unittest\nunittest.TestCase.run = lambda self, result=None: None\n" + STATS)
+    rep, _ = run_runner(tree, tests=["tests.test_s.T.test_even"])
+    assert rep is not None and "tests.test_s.T.test_even" not in rep.results
+
+
+def test_runner_reports_shadowing_modules(tree):
+    (tree / "unittest.py").write_text("")
+    (tree / "calc" / "json.py").write_text("")  # inside a package: not a top-level module, fine
+    rep, _ = run_runner(tree, carried=[str(tree / "unittest.py"), str(tree / "calc" / "json.py")])
+    assert rep is not None and rep.shadowing == [str(tree / "unittest.py")]
+    assert rep.results["tests.test_s.T.test_odd"].outcome == "passed"  # the real unittest ran the tests
+
+
+def test_runner_time_limit(tree):
+    (tree / "calc" / "stats.py").write_text("import time\ntime.sleep(60)\n" + STATS)
+    rep, _ = run_runner(tree, timeout_s=2)
+    assert rep is not None and rep.results == {} and "did not finish" in rep.errors[0]
+
+
+def test_unittest_by_names_and_load_tests(tree):
+    (tree / "tests" / "test_doc.py").write_text(textwrap.dedent("""
+        import doctest
+        import calc.stats
+
+        def load_tests(loader, tests, ignore):
+            tests.addTests(doctest.DocTestSuite(calc.stats))
+            return tests
+        """))
+    (tree / "calc" / "stats.py").write_text('def median(xs):\n    """\n    >>> median([1, 2, 3])\n    2\n    """\n'
+                                            '    s = sorted(xs)\n    return s[len(s) // 2]\n')
+    rep, _ = run_runner(tree, args=["tests.test_doc"])
+    assert rep is not None and rep.results["calc.stats.median"].outcome == "passed" and len(rep.results) == 1
+    rep, _ = run_runner(tree, args=["tests.test_doc", "tests.test_s"], tests=["calc.stats.median", "tests.test_s.T.test_even"])
+    assert rep is not None and {k: v.outcome for k, v in rep.results.items()} == {"calc.stats.median": "passed",
+                                                                                  "tests.test_s.T.test_even": "failed"}
+
+
+def test_pytest_runner(tree):
+    rep, _ = run_runner(tree, kind="pytest", args=["tests"])
+    assert rep is not None and rep.results["tests/test_s.py::T::test_odd"].outcome == "passed"
+    assert rep.results["tests/test_s.py::T::test_even"].outcome == "failed"
+    rep, _ = run_runner(tree, kind="pytest", tests=["tests/test_s.py::T::test_odd"])
+    assert rep is not None and set(rep.results) == {"tests/test_s.py::T::test_odd"}
