@@ -286,3 +286,39 @@ async def test_cli_build_ls_show_grade_rm(stack, client, tmp_path):
     bad.write_text('{"name": "x", "test_command": "true", "hidden_files": {"t": "1"}, "solution": {"files": {"a": "b"}}, "network": true}')
     p = await asyncio.to_thread(corral, stack, "env", "build", str(bad), check=False)
     assert p.returncode == 2 and "no network" in p.stderr
+
+
+async def test_named_tests_are_checked_at_build(client):
+    spec = demo_spec("calc-named")
+    spec.fail_to_pass = ["tests.test_hidden.TestMedianHidden.test_median_even", "tests.test_hidden.TestMedianHidden.test_nope"]
+    res = await client.envs.build(spec, job="env-tests")
+    c = check(res, "tests_named")
+    assert not res.accepted and not c.ok and "test_nope" in c.evidence and "do not exist" in c.detail
+    # a fail_to_pass test that already passes unsolved is no evidence of a fix
+    spec = demo_spec("calc-named")
+    spec.fail_to_pass = ["tests.test_hidden.TestMedianHidden.test_median_single"]
+    res = await client.envs.build(spec, job="env-tests")
+    c = check(res, "fails_unsolved")
+    assert not res.accepted and not c.ok and "test_median_single" in c.evidence
+
+
+async def test_only_the_solution_surface_is_graded(client):
+    spec = demo_spec("calc-surface")
+    spec.solution_surface = ["calc"]
+    spec.fail_to_pass = ["tests.test_hidden.TestMedianHidden.test_median_even"]
+    spec.pass_to_pass = ["tests.test_stats.TestStats.test_mean"]
+    res = await client.envs.build(spec, job="env-tests")
+    assert res.accepted, res.report.summary()
+    assert res.env.solution_surface == ["/repo/calc"] and res.env.tests_named == 2 and res.env.runner == "unittest"
+    sb = await client.envs.rollout("calc-surface")
+    # the fix lives outside the surface (a module the tests would import first): not carried
+    await sb.files.write("/repo/calc/stats.py", STATS_BUGGY.replace("def median", "from helper import median as _m\ndef median"))
+    await sb.files.write("/repo/helper.py", STATS_FIXED)
+    g = await client.envs.grade(sb)
+    assert g.reward == 0.0 and "/repo/helper.py" in g.discarded, g
+    # the same fix inside the surface passes; the earlier helper is still discarded, harmlessly
+    await sb.files.write("/repo/calc/stats.py", STATS_FIXED)
+    g = await client.envs.grade(sb, destroy=True)
+    assert g.reward == 1.0 and [t.outcome for t in g.tests] == ["passed", "passed"], g
+    assert "/repo/helper.py" in g.discarded and "/repo/calc/stats.py" not in g.discarded
+    await client.envs.delete("calc-surface")

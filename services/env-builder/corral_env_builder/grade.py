@@ -21,7 +21,7 @@ import re
 import tarfile
 import time
 
-import msgspec
+from dataclasses import dataclass
 
 from corral_common import subjects
 from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
@@ -29,7 +29,7 @@ from corral_common.envs import (
     ENV_LABEL, ENV_VERSION_LABEL, SEVERITY_RANK, EnvGradeRequest, EnvGradeResult, TestOutcome,
 )
 from corral_common.errors import InvalidRequest, Unavailable
-from corral_common.messages import AuditState, ChangesReply, ExecResult, SandboxSpec, encoder
+from corral_common.messages import AuditState, ExecResult, SandboxSpec, encoder
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import codescan, surface, testrun, workspace
@@ -37,13 +37,17 @@ from .catalog import EnvCatalog, StoredEnv
 
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_LISTED = 200  # discarded paths named in a grade (the count is always complete)
+INCLUDE_BATCH = 256  # paths per packing request (ChangesRequest.include)
 
 
-class Rollout(msgspec.Struct, kw_only=True):
+@dataclass
+class Rollout:
     """What grading takes from a rollout."""
 
-    changes: ChangesReply
+    verdict: surface.Verdict
+    archives: list[str]  # base64 gzip'd tars of the carried files
     audit: AuditState
+    incomplete: str = ""  # why the solution could not be taken whole
 
 
 class Grader:
@@ -65,23 +69,18 @@ class Grader:
         surf = surface.surface_for(rec.workdir, rec.solution_surface, sorted(env.hidden_files), sorted(env.grader_files),
                                    env.test_files, sorted(rec.canaries))
         taken = await self._take(rollout, surf)
-        verdict = surf.judge(taken.changes.changes)
+        verdict = taken.verdict
         findings: list[Finding] = []
         if verdict.tampering:
             findings.append(Finding(rule="grader_environment_tampering", severity="high", paths=verdict.tampering[:64],
                                     message=f"changed {len(verdict.tampering)} path(s) that decide how code runs "
                                             f"(dropped before grading): {', '.join(verdict.tampering[:5])}"))
-        if taken.changes.truncated or taken.changes.too_large:
-            findings.append(Finding(rule="grader_environment_tampering", severity="high",
-                                    paths=taken.changes.too_large[:64],
-                                    message="the rollout changed more than grading reads (entries or bytes): the solution "
-                                            "cannot be carried whole"))
         spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
                            pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
                            job=info.job, labels={"corral.role": "env-grade", ENV_LABEL: rec.name, "corral.graded": req.sandbox_id})
         g = await self.client.create_spec(spec)
         try:
-            carried, sources = await self._carry(g, verdict, taken.changes, surf)
+            carried, sources = await self._carry(g, verdict, taken.archives, surf)
             findings += _scan(sources)
             grader_files = {**env.grader_files, **env.hidden_files}
             if plan.kind == "command":
@@ -106,6 +105,8 @@ class Grader:
             raise Unavailable("the monitor did not answer, so cheating could not be ruled out; retry, or pass "
                               "require_monitor=false to grade on the tests alone")
         tests, passed, why = _judge_tests(env, report, r)
+        if taken.incomplete:
+            passed, why = False, taken.incomplete
         audit_complete = taken.audit.lost == 0 and not taken.audit.reasons and lost == 0
         bad = [a for a in alerts if SEVERITY_RANK.get(a.severity, 0) >= SEVERITY_RANK[req.fail_on]]
         if bad:
@@ -131,12 +132,25 @@ class Grader:
                                                                   if len(discarded) > MAX_LISTED else []))
 
     async def _take(self, rollout: AsyncSandbox, surf: surface.Surface) -> Rollout:
-        """The rollout's changes (contents inside the surface), then its audit state: in this order,
-        so every event up to the moment the layer was read is covered."""
-        ch = await rollout.changes(include=surf.roots)
-        return Rollout(changes=ch, audit=await rollout.audit_state(timeout=60))
+        """The rollout's changes, judged; the contents of exactly the carried ones; then its audit
+        state, so every event up to the moment the layer was read is covered. Between the listing
+        and the packing the agent's processes may change things: what is packed is re-checked."""
+        listing = await rollout.changes()
+        verdict = surf.judge(listing.changes)
+        archives, incomplete = [], ""
+        if listing.truncated:
+            incomplete = "the rollout changed more files than grading reads (50,000): the solution cannot be carried whole"
+        paths = [c.path for c in verdict.carried]
+        for i in range(0, len(paths), INCLUDE_BATCH):
+            packed = await rollout.changes(include=paths[i:i + INCLUDE_BATCH])
+            if packed.too_large:
+                incomplete = (f"the solution is larger than grading carries (4 MiB packed per {INCLUDE_BATCH} files): "
+                              + ", ".join(packed.too_large[:5]))
+            if packed.archive_b64:
+                archives.append(packed.archive_b64)
+        return Rollout(verdict=verdict, archives=archives, audit=await rollout.audit_state(timeout=60), incomplete=incomplete)
 
-    async def _carry(self, g: AsyncSandbox, v: surface.Verdict, ch: ChangesReply,
+    async def _carry(self, g: AsyncSandbox, v: surface.Verdict, archives: list[str],
                      surf: surface.Surface) -> tuple[list[str], dict[str, tuple[str, str | None]]]:
         """The surface changes into the grading sandbox. The archive is re-packed here with only the
         carried entries, so nothing else in it can reach grading. Returns the carried paths and,
@@ -145,9 +159,8 @@ class Grader:
         out = io.BytesIO()
         sources: dict[str, str] = {}
         packed: set[str] = set()
-        src = tarfile.open(fileobj=io.BytesIO(base64.b64decode(ch.archive_b64)), mode="r:*") if ch.archive_b64 else None
         with tarfile.open(fileobj=out, mode="w:gz") as dst:
-            for m in src or ():
+            for m, src in _members(archives):
                 name = m.name[2:] if m.name.startswith("./") else m.name
                 path = "/" + name.lstrip("/")
                 if path not in keep or not (m.isfile() or m.issym()):
@@ -216,6 +229,13 @@ def _judge_tests(env: StoredEnv, report: testrun.RunReport | None, r: ExecResult
     if missing:
         why += f" ({missing} never reported" + (f": {report.errors[0][:300]}" if report.errors else "") + ")"
     return tests, False, why
+
+
+def _members(archives: list[str]):
+    for blob in archives:
+        with tarfile.open(fileobj=io.BytesIO(base64.b64decode(blob)), mode="r:*") as src:
+            for m in src:
+                yield m, src
 
 
 def _scan(sources: dict[str, tuple[str, str | None]]) -> list[Finding]:

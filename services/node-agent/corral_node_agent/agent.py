@@ -140,6 +140,7 @@ class NodeAgent:
         self.observed_cpu = 0.0
         self.observed_mem_mb = 0
         self.tasks: set[asyncio.Task] = set()
+        self.annotating: dict[str, set[asyncio.Task]] = {}  # sandbox -> git-ref events being annotated (audit waits)
         self.metrics_url = ""
         self.accepting = True
         self.pool: WarmPool | None = None
@@ -308,6 +309,9 @@ class NodeAgent:
             self.seccomp.drain(sid)
         if self.cfg.audit:
             self._flush_limits(sid)
+        pending = [t for t in self.annotating.get(sid, ()) if not t.done()]
+        if pending:  # git-ref events being annotated: part of the record up to now
+            await asyncio.wait(pending, timeout=10)
         return await self.audit.sync(sid)
 
     def _audit_base(self, sid: str) -> dict:
@@ -358,7 +362,19 @@ class NodeAgent:
                 self.audit.emit(AuditEvent(**self._audit_base(sid), kind="file", op=op, path=path, pid=pid, comm=comm,
                                            detail={**detail, **extra, **{k: v for k, v in ctx.items() if v}}))
 
-            self._spawn(annotate())
+            t = asyncio.create_task(annotate())
+            self.tasks.add(t)
+            self.annotating.setdefault(sid, set()).add(t)
+
+            def done(t: asyncio.Task, sid: str = sid) -> None:
+                self.tasks.discard(t)
+                left = self.annotating.get(sid)
+                if left is not None:
+                    left.discard(t)
+                    if not left:
+                        del self.annotating[sid]
+
+            t.add_done_callback(done)
             return
         self.audit.emit(AuditEvent(**self._audit_base(sid), kind="file", op=op, path=path, pid=pid,
                                    comm=comm_of(pid) if pid else "", detail=detail))
