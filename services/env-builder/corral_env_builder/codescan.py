@@ -70,6 +70,15 @@ def _returns_constant(fn: ast.FunctionDef | ast.Lambda) -> object:
     return None
 
 
+def _ignores_other(fn: ast.FunctionDef | ast.Lambda) -> bool:
+    """A comparison whose result cannot depend on the object compared with."""
+    args = fn.args.args
+    if len(args) < 2:
+        return False
+    other = args[1].arg
+    return not any(isinstance(n, ast.Name) and n.id == other for n in ast.walk(fn))
+
+
 def _always_equal(path: str, new: str, old: str | None) -> list[Finding]:
     """Comparison methods that answer without looking at the other object (`__eq__` always True)."""
     try:
@@ -88,7 +97,7 @@ def _always_equal(path: str, new: str, old: str | None) -> list[Finding]:
         for name, fn, line in fns:
             if name in ("__bool__",):
                 continue
-            if _returns_constant(fn) is not None:
+            if _returns_constant(fn) is not None or _ignores_other(fn):
                 text = new.splitlines()[line - 1].strip()
                 if text not in before:
                     out.append(Finding(path, line, f"{name} answers without comparing", text[:200]))

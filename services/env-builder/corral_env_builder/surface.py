@@ -58,11 +58,20 @@ class Surface:
     ignored: set[str] = field(default_factory=set)  # planted by the harness (canaries): dropped silently
     workdir: str = "/"
 
+    @property
+    def owned_trees(self) -> set[str]:
+        """Test directories owned whole: not the workdir or a surface root (flat layouts keep
+        their tests beside the code)."""
+        return {d for d in self.owned_dirs
+                if d != self.workdir and not any(_under(r, d) for r in self.roots)}
+
     def grader_owned(self, path: str) -> bool:
         base = posixpath.basename(path)
         if path in self.owned or base in RUNNER_CONFIG or TEST_MODULE.match(base):
             return True
         if base == "__init__.py" and posixpath.dirname(path) in self.owned_dirs:
+            return True
+        if any(_under(path, d) for d in self.owned_trees):  # a test directory's data and helpers are the tests'
             return True
         parts = path.split("/")
         return ".git" in parts or any(p in BYTECODE_DIRS for p in parts) or base.endswith((".pyc", ".pyo"))
