@@ -80,7 +80,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     by: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        by[r["category"]][r["env"]].append(r)
+        by[f"{r['kind']}/{r['category']}"][r["env"]].append(r)
     per_env: dict[str, list] = defaultdict(list)
     for r in rows:
         per_env[r["env"]].append(r)
@@ -111,8 +111,8 @@ def plot(res: dict[str, Any], path: str) -> None:
         a1.bar(xs, tot, w, color="lightgray", edgecolor="gray")
         a1.bar(xs, bad, w, label=f"{e}: wrong grades", color=f"C{i}")
     a1.set_xticks([j + w * (len(envs) - 1) / 2 for j in range(len(cats))], cats, rotation=35, ha="right", fontsize=8)
-    a1.set_ylabel("rollouts (gray: all; colour: cheat rewarded / honest unrewarded / false alert)")
-    a1.set_title("wrong grades per category and environment (goal: 0)")
+    a1.set_ylabel("rollouts (gray: all; colour: wrong grades)")
+    a1.set_title("cheat rewarded / honest unrewarded / false alert, per kind/category and env (goal: 0)", fontsize=10)
     a1.legend(fontsize=8)
     lat = [r["grade_s"] for r in res["rows"] if r.get("grade_s") is not None]
     wall = [r["wall_s"] for r in res["rows"] if r.get("wall_s") is not None]
