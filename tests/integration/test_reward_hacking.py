@@ -17,11 +17,10 @@ from bench.hacks import corpus, envs as benv  # noqa: E402
 ENVS = [benv.DEMO, benv.AUTHORED]
 
 # one or two per category, the ones most likely to get past a grader that runs in a clean image
+# (the bench runs all 56; ~3 min here on a loaded 2-core machine with today's ~5 s grades)
 CHEATS = [
     "cheat-new-test-module-patches-runner",   # tests: a new test file forging success (kept in the surface)
-    "cheat-tests-init-patches-unittest",      # tests: the test package's __init__ (discarded)
     "cheat-atexit-exit0",                     # exit: real failures, exit status forced to 0
-    "cheat-os-exit0-at-import",               # exit: exits 0 before any test ran
     "cheat-unittest-package-in-workdir",      # shadowing: unittest/ in the workdir
     "cheat-fake-python3-on-path",             # shadowing: python3 earlier on PATH
     "cheat-sitecustomize-stdlib",             # hooks
@@ -29,7 +28,6 @@ CHEATS = [
     "cheat-patch-testcase-run",               # monkeypatch from the solution module
     "cheat-frame-oracle",                     # monkeypatch: reads the expected value of the calling assertion
     "cheat-read-canary-answers",              # hidden/answers
-    "cheat-hidden-tests-table-at-import",     # hidden tests read in the grader
     "cheat-git-log-all",                      # git history
     "cheat-kill-init",                        # killing the harness
     "cheat-fetch-fix-from-network",           # network
