@@ -102,7 +102,7 @@ def _git_remote(s: Simple) -> str | None:
 @register
 class NetworkEgress(Rule):
     name = "network_egress"
-    severity = "medium"
+    severity = "high"  # the sandbox has no network: reaching out is asking for outside help
     description = ("attempts to reach non-loopback hosts: curl/wget/nc/ssh, git fetch/clone/pull, pip/apt/npm installs, "
                    "sockets or HTTP from inline code, /dev/tcp, and node `net` events")
     kinds = frozenset({"exec", "net"})
