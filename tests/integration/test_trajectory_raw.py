@@ -148,3 +148,21 @@ async def test_concurrent_retries_of_a_new_step_run_it_once(nc, raw_sandbox, ope
         assert [r["replayed"] for r in replies] == [False, True, True], replies
         assert {r["stdout"] for r in replies} == {f"{step + 1}\n"}
     assert await plain(nc, sid, "cat /log") == "a\nb\n", "a step ran more than once"
+
+
+async def test_a_step_logged_before_its_metadata_is_replayed(nc, raw_sandbox):
+    """The node appends a step to CORRAL_TRAJ, then advances the metadata in KV; a node that dies
+    between the two leaves the step logged and the metadata behind. That state, forced by putting
+    the metadata back: a retry of the step is answered from the log, not run again."""
+    make, traj = raw_sandbox
+    sid, tid = await make(), traj("behind")
+    assert not result(await exec_(nc, sid, APPEND.format(tag="a"), trajectory=tid, step=0))["replayed"]
+    kv = await nc.jetstream().key_value("corral_traj")
+    meta = json.loads((await kv.get(tid)).value)
+    assert meta["last_step"] == 0
+    await kv.put(tid, json.dumps({**meta, "last_step": -1}).encode())
+    r = result(await exec_(nc, sid, APPEND.format(tag="a"), trajectory=tid, step=0))
+    assert (r["replayed"], r["stdout"]) == (True, "1\n")
+    assert json.loads((await kv.get(tid)).value)["last_step"] == 0
+    assert not result(await exec_(nc, sid, APPEND.format(tag="b"), trajectory=tid, step=1))["replayed"]
+    assert await plain(nc, sid, "cat /log") == "a\nb\n"
