@@ -26,7 +26,7 @@ from corral_common.audit import AuditEvent, event_id
 from corral_common.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
 from corral_common.messages import NodeRun, SandboxSpec, new_id
 from corral_common.messages import (
-    AuditState, ChangesRequest, Event, ExecChunk, ExecRequest, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
+    AuditState, ChangesRequest, Event, ExecChunk, ExecRequest, ExecResult, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
     NodeCapacity, NodeCreate, NodeUsage, RenewRequest, RestoreRequest, SandboxInfo, SnapshotRequest, TrajListRequest,
     TrajGetRequest, TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
 )
@@ -865,15 +865,25 @@ class NodeAgent:
             raise InvalidRequest("cmd is empty")
         if bool(req.trajectory) != (req.step is not None):
             raise InvalidRequest("trajectory and step go together: give both or neither")
-        if req.trajectory:
-            logged = await self.traj.check(req, sb.id)
-            if logged is not None:
-                REPLAYED.labels(self.node).inc()
-                if req.stream and msg.reply:
-                    for i, (name, text) in enumerate((("stdout", logged.stdout), ("stderr", logged.stderr))):
-                        if text:
-                            await self.nc.publish(msg.reply, encoder.encode(ExecChunk(stream=name, data=text, seq=i)))  # type: ignore[arg-type]
-                return ok(result=logged)
+        if not req.trajectory:
+            return ok(result=await self._run_exec(msg, req, sb, sub))
+
+        async def snapshot() -> str:
+            name = f"traj-{req.trajectory.lower()}-{req.step}"[:128]
+            image, _, _ = await self._take_snapshot(sb, sub, name, {"trajectory": req.trajectory})
+            return image.name
+
+        result = await self.traj.run_step(req, sb.id, sb.spec, self.node, lambda: self._run_exec(msg, req, sb, sub), snapshot)
+        if result.replayed:
+            REPLAYED.labels(self.node).inc()
+            if req.stream and msg.reply:
+                for i, (name, text) in enumerate((("stdout", result.stdout), ("stderr", result.stderr))):
+                    if text:
+                        await self.nc.publish(msg.reply, encoder.encode(ExecChunk(stream=name, data=text, seq=i)))  # type: ignore[arg-type]
+        return ok(result=result)
+
+    async def _run_exec(self, msg: Msg, req: ExecRequest, sb: Sandbox, sub: Substrate) -> ExecResult:
+        """Run one exec for real: output streamed to the caller if asked, audited, limits checked."""
         on_chunk = None
         pump = None
         queue: asyncio.Queue | None = None
@@ -916,12 +926,7 @@ class NodeAgent:
         ))
         if self.cfg.audit:  # later, with the other execs that end meanwhile: not the caller's wait
             self._defer_limits(sb, sub, req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd))
-        if req.trajectory and req.step is not None:
-            meta = await self.traj.record(req, sb.id, self.node, result)
-            if meta is not None and self.traj.snapshot_due(meta, req.step):
-                image, _, _ = await self._take_snapshot(sb, sub, f"traj-{req.trajectory.lower()}-{req.step}"[:128], {"trajectory": req.trajectory})
-                await self.traj.add_snapshot(req.trajectory, req.step, image.name)
-        return ok(result=result)
+        return result
 
     async def _take_snapshot(self, sb: Sandbox, sub: Substrate, name: str, labels: dict[str, str]):
         """Turn the sandbox's writable layer into an image layer on top of its image's layers.

@@ -5,9 +5,17 @@ A step already in the log, issued again with the same inputs, is answered from t
 (`replayed: true`) without running: a preempted rollout that restarts from step 0 fast-forwards,
 and non-idempotent commands never run twice. Every K steps the sandbox is snapshotted, so a
 trajectory whose sandbox is lost resumes on a new sandbox made from the last snapshot, with the
-logged steps after it re-run for real (`restore`)."""
+logged steps after it re-run for real (`restore`).
+
+`run_step` wraps an exec: the exec's own code knows nothing of trajectories. Any client gets this,
+not only the SDK: the first exec of an unknown trajectory (at step 0) opens it, bound to that
+sandbox, as `corral.v1.traj.open` would; the steps of one trajectory are serialised on the node
+that owns its sandbox, so concurrent retries of a step run it once and the others replay it."""
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
 import logging
 import time
 
@@ -17,7 +25,7 @@ from nats.js.errors import NotFoundError
 
 from corral_common import bus, subjects
 from corral_common.errors import Conflict, InvalidRequest, NotFound
-from corral_common.messages import ExecRequest, ExecResult, TrajEntry, TrajMeta, TrajSnapshot, encoder
+from corral_common.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, TrajSnapshot, encoder
 from corral_common.traj import bare, input_hash
 
 log = logging.getLogger("corral.node.traj")
@@ -32,6 +40,8 @@ class TrajectoryLog:
     def __init__(self, js: JetStreamContext):
         self.js = js
         self.kv = None
+        # trajectory id -> (its lock, how many execs hold or wait for it); dropped when unused
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     async def open(self) -> TrajectoryLog:
         self.kv = await bus.ensure_kv(self.js, subjects.KV_TRAJ)
@@ -112,31 +122,84 @@ class TrajectoryLog:
             await sub.unsubscribe()
         return [found[s] for s in sorted(found)]
 
-    async def check(self, req: ExecRequest, sandbox_id: str) -> ExecResult | None:
+    @contextlib.asynccontextmanager
+    async def _serial(self, tid: str) -> AsyncIterator[None]:
+        """One step of a trajectory at a time on this node: between reading the log and recording
+        the result nothing else of that trajectory may start, or two issues of a new step both see
+        it unlogged and both run it. A trajectory's new steps run only in its bound sandbox, which
+        lives on one node, so a lock in this process is enough."""
+        lock, users = self._locks.get(tid) or (asyncio.Lock(), 0)
+        self._locks[tid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[tid]
+            if users == 1:
+                del self._locks[tid]
+            else:
+                self._locks[tid] = (lock, users - 1)
+
+    async def run_step(self, req: ExecRequest, sandbox_id: str, spec: SandboxSpec, node: str,
+                       run: Callable[[], Awaitable[ExecResult]], snapshot: Callable[[], Awaitable[str]]) -> ExecResult:
+        """An exec that carries `trajectory` and `step`: answered from the log (`replayed`), or
+        `run` and logged (and `snapshot` taken when one is due, before the next step may start).
+
+        Raises Conflict on a divergent command or a new step sent to another sandbox than the one
+        the trajectory is bound to, InvalidRequest on a gap in the steps."""
+        tid, step = req.trajectory, req.step
+        assert step is not None
+        async with self._serial(tid):
+            logged = await self.check(req, sandbox_id, spec, node)
+            if logged is not None:
+                return logged
+            result = await run()
+            meta = await self.record(req, sandbox_id, node, result)
+            if meta is not None and self.snapshot_due(meta, step):
+                await self.add_snapshot(tid, step, await snapshot())
+            return result
+
+    async def check(self, req: ExecRequest, sandbox_id: str, spec: SandboxSpec, node: str) -> ExecResult | None:
         """Before running a step: the logged result if it is a replay, None if it must run.
 
-        Raises Conflict on a divergent command, InvalidRequest on a gap in the steps."""
+        The first step (0) of an unknown trajectory opens it, bound to this sandbox, with the
+        defaults of `corral.v1.traj.open`: without metadata nothing would say which steps are
+        logged, and every retry would run again. Raises Conflict on a divergent command or a new
+        step outside the bound sandbox, InvalidRequest on a gap in the steps."""
         tid, step = req.trajectory, req.step
         assert step is not None
         meta = await self.maybe(tid)
+        if meta is None and step == 0:
+            now = time.time()
+            meta = await self.create(TrajMeta(id=tid, sandbox_id=sandbox_id, spec=spec, node=node, created_at=now,
+                                              updated_at=now))
+            log.info("trajectory opened by its first exec", extra={"fields": {"trajectory": tid, "sandbox": meta.sandbox_id}})
         last = meta.last_step if meta else -1
         if step > last + 1:
             raise InvalidRequest(
                 f"step {step} of trajectory {tid!r} skips steps {last + 1}..{step - 1} "
                 f"({'no steps are logged yet: start at step 0' if last < 0 else f'the last logged step is {last}'})")
-        if step > last:
-            return None
+        assert meta is not None
         entry = await self.entry(tid, step)
-        if entry is None:
-            return None  # truncated away or expired from the stream: run it again
-        if entry.input_hash == input_hash(req):
-            return msgspec.structs.replace(entry.result, replayed=True)
-        if req.on_divergence == "truncate":
+        if entry is not None and step > last:
+            # logged, but the node stopped before the metadata caught up: the log decides
+            meta.last_step = step
+            await self.put(meta)
+        if entry is not None:
+            if entry.input_hash == input_hash(req):
+                return msgspec.structs.replace(entry.result, replayed=True)
+            if req.on_divergence != "truncate":
+                raise Conflict(
+                    f"step {step} of trajectory {tid!r} diverges from the log: logged `{describe(entry.request)}`, "
+                    f"now `{describe(req)}` (send on_divergence=\"truncate\" to drop the log from step {step} on)")
+        # the step runs (new, diverging with truncate, or gone from the stream): only where the state is
+        if meta.sandbox_id and meta.sandbox_id != sandbox_id:
+            raise Conflict(
+                f"trajectory {tid!r} is bound to sandbox {meta.sandbox_id}; step {step} cannot run in {sandbox_id} "
+                f"(send it to {meta.sandbox_id}, or restore the trajectory on this sandbox first)")
+        if entry is not None:
             await self.truncate(tid, step)
-            return None
-        raise Conflict(
-            f"step {step} of trajectory {tid!r} diverges from the log: logged `{describe(entry.request)}`, "
-            f"now `{describe(req)}` (send on_divergence=\"truncate\" to drop the log from step {step} on)")
+        return None
 
     async def truncate(self, tid: str, step: int) -> None:
         meta = await self.get(tid)
@@ -148,7 +211,8 @@ class TrajectoryLog:
         log.info("trajectory truncated", extra={"fields": {"trajectory": tid, "from_step": step}})
 
     async def record(self, req: ExecRequest, sandbox_id: str, node: str, result: ExecResult) -> TrajMeta | None:
-        """Append an executed step. Returns the metadata (None for a step that was not new)."""
+        """Append an executed step and advance the metadata (returned; None if the trajectory was
+        deleted while the step ran)."""
         tid, step = req.trajectory, req.step
         assert step is not None
         entry = TrajEntry(trajectory=tid, step=step, input_hash=input_hash(req), request=bare(req), result=result,
@@ -156,7 +220,7 @@ class TrajectoryLog:
         await self.js.publish(subjects.traj_entry(tid, step), encoder.encode(entry))
         meta = await self.maybe(tid)
         if meta is None:
-            return None  # a trajectory used without `open`: logged and replayable, not resumable
+            return None  # deleted while the step ran
         if step > meta.last_step:
             meta.last_step = step
         meta.sandbox_id, meta.node = sandbox_id, node
