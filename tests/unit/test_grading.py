@@ -253,3 +253,55 @@ def test_pytest_runner(tree):
     assert rep.results["tests/test_s.py::T::test_even"].outcome == "failed"
     rep, _ = run_runner(tree, kind="pytest", tests=["tests/test_s.py::T::test_odd"])
     assert rep is not None and set(rep.results) == {"tests/test_s.py::T::test_odd"}
+
+
+def _guarded(tree: Path, source: str, **cfg):
+    (tree / "calc" / "stats.py").write_text(source)
+    stats = str(tree / "calc" / "stats.py")
+    return run_runner(tree, tests=["tests.test_s.T.test_even", "tests.test_s.T.test_odd"],
+                      added={stats: codescan.added_lines(source, STATS)}, protected=[str(tree / "tests") + "/"], **cfg)[0]
+
+
+FIXED = "def median(xs):\n    s = sorted(xs)\n    n = len(s)\n    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2\n"
+
+
+def test_guard_sees_nothing_in_an_honest_fix(tree):
+    rep = _guarded(tree, FIXED)
+    assert rep is not None and rep.violations == [] and {r.outcome for r in rep.results.values()} == {"passed"}
+
+
+def test_guard_refuses_patching_the_framework(tree):
+    # obfuscated enough that no pattern names the framework: the run-time guard still sees the class
+    forge = ("m = __import__('un' + 'ittest')\n"
+             "def run(self, result=None):\n"
+             "    result.startTest(self)\n    result.addSuccess(self)\n    result.stopTest(self)\n"
+             "setattr(getattr(m, 'Test' + 'Case'), 'run', run)\n")
+    rep = _guarded(tree, forge + STATS)
+    assert rep is not None and rep.violations and "framework was changed" in rep.violations[0]["why"]
+    assert rep.results["tests.test_s.T.test_even"].outcome == "error"  # the forged pass is not one
+
+
+def test_guard_refuses_reading_the_tests(tree):
+    src = ("import os, re\nfor n in os.listdir(os.path.join(os.path.dirname(__file__), '..', 'tests')):\n    pass\n" + STATS)
+    rep = _guarded(tree, src)
+    assert rep is not None and any("reads" in v["why"] and "/tests" in v["why"] for v in rep.violations)
+
+
+def test_guard_reports_frame_walking_from_added_lines(tree):
+    src = STATS.replace("    return s[len(s) // 2]\n", "    import sys\n    caller = sys._getframe(1)\n    return s[len(s) // 2]\n")
+    rep = _guarded(tree, src)
+    assert rep is not None and any(v["why"] == "calls sys._getframe" for v in rep.violations), rep.violations
+
+
+def test_guard_catches_a_pytest_forgery(tree):
+    forge = ("import importlib\nr = importlib.import_module('_py' + 'test.reports')\n"
+             "setattr(r.BaseReport, 'failed', property(lambda s: False))\n")
+    (tree / "calc" / "stats.py").write_text(forge + STATS)
+    stats = str(tree / "calc" / "stats.py")
+    rep, _ = run_runner(tree, kind="pytest", tests=["tests/test_s.py::T::test_even"],
+                        added={stats: codescan.added_lines(forge + STATS, STATS)}, protected=[str(tree / "tests") + "/"])
+    assert rep is not None and rep.results["tests/test_s.py::T::test_even"].outcome == "error"
+    assert "BaseReport.failed" in rep.violations[0]["why"]
+    # without the guard (verification of the reference solution runs so) the forgery would have worked
+    rep, _ = run_runner(tree, kind="pytest", tests=["tests/test_s.py::T::test_even"])
+    assert rep is not None and rep.results["tests/test_s.py::T::test_even"].outcome == "passed"

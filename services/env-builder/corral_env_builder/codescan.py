@@ -7,6 +7,7 @@ early, objects that compare equal to anything."""
 from __future__ import annotations
 
 import ast
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -101,4 +102,16 @@ def _always_equal(path: str, new: str, old: str | None) -> list[Finding]:
                 text = new.splitlines()[line - 1].strip()
                 if text not in before:
                     out.append(Finding(path, line, f"{name} answers without comparing", text[:200]))
+    return out
+
+
+def added_lines(new: str, old: str | None) -> list[int]:
+    """Line numbers (1-based) of `new` that are not in `old`: what the solution wrote."""
+    if old is None:
+        return list(range(1, new.count("\n") + 2))
+    out: list[int] = []
+    sm = difflib.SequenceMatcher(a=old.splitlines(), b=new.splitlines(), autojunk=False)
+    for tag, _, _, j1, j2 in sm.get_opcodes():
+        if tag in ("replace", "insert"):
+            out.extend(range(j1 + 1, j2 + 1))
     return out

@@ -90,12 +90,19 @@ class Grader:
             else:
                 await testrun.install(g, {p: c.encode() for p, c in grader_files.items()})
                 report, r = await testrun.run(g, plan, rec.workdir, rec.test_timeout_s,
-                                              tests=[*env.fail_to_pass, *env.pass_to_pass], carried=carried)
+                                              tests=[*env.fail_to_pass, *env.pass_to_pass], carried=carried,
+                                              added={p: codescan.added_lines(new, old) for p, (new, old) in sources.items()},
+                                              protected=surf.protected())
         finally:
             try:
                 await g.destroy()
             except Exception:
                 pass  # the node reaps it at its ttl
+        if report is not None and report.violations:
+            seen = [f"{v['path']}:{v['line']}: {v['why']}" for v in report.violations[:20]]
+            findings.append(Finding(rule="test_framework_tampering", severity="high",
+                                    paths=sorted({v["path"] for v in report.violations})[:64],
+                                    message="at run time the solution's code " + "; ".join(seen)))
         if report is not None and report.shadowing:
             findings.append(Finding(rule="module_shadowing", severity="high", paths=report.shadowing[:64],
                                     message="the solution adds module(s) named like standard-library or test-runner modules: "

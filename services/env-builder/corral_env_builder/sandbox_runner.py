@@ -14,7 +14,11 @@ Standard library only, and it must run on any Python 3 an image ships. Two proce
 
 What the worker reports can still be forged by code that runs inside it (the code under test is
 imported there): the parent only guarantees that a test which did not report is a failure, that
-reports name tests that were asked for, and that the process exit status means nothing.
+reports name tests that were asked for, and that the process exit status means nothing. Within the
+worker, an audit hook (PEP 578: it cannot be removed once added) is installed before anything of
+the solution is imported; it refuses and reports what solution code does to forge a pass at run
+time: setting or deleting attributes of the test framework's classes, reading the test files, and
+(from lines the solution added) frame walking, gc traversal, ctypes, tracing, spawning, signalling.
 """
 import json
 import os
@@ -63,7 +67,8 @@ def parent():
     cfg = json.loads(sys.stdin.readline())
     nonce = cfg.pop("nonce")
     _non_dumpable()
-    result = {"results": {}, "collected": None, "errors": [], "shadowing": _shadowing(cfg.get("carried", []), cfg["workdir"])}
+    result = {"results": {}, "collected": None, "errors": [], "violations": [],
+              "shadowing": _shadowing(cfg.get("carried", []), cfg["workdir"])}
     rfd, wfd = os.pipe()
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "CORRAL_REPORT_FD": str(wfd)}
@@ -129,6 +134,9 @@ def _take(line, result, wanted):
         result["collected"] = {str(k): str(v) for k, v in dict(msg["tests"]).items()}
     elif kind == "error":
         result["errors"].append(str(msg.get("message", ""))[:4000])
+    elif kind == "violation":
+        if len(result["violations"]) < 50:
+            result["violations"].append({k: str(msg.get(k, ""))[:500] for k in ("event", "why", "path", "line")})
     elif kind == "result":
         tid = str(msg["id"])
         if wanted and tid not in wanted:
@@ -183,7 +191,7 @@ def _unittest_file(test):
     return getattr(mod, "__file__", "") or ""
 
 
-def run_unittest(cfg, rep):
+def run_unittest(cfg, rep, tripwire):
     import traceback
     import unittest
 
@@ -233,9 +241,12 @@ def run_unittest(cfg, rep):
 
         def stopTest(self, test):
             super().stopTest(test)
-            rep.send(t="result", id=test.id(), outcome=self._state or "error",
-                     message=self._msg if self._state else "the test reported no outcome",
-                     seconds=round(time.perf_counter() - self._t0, 4))
+            state, msg = self._state or "error", self._msg if self._state else "the test reported no outcome"
+            changed = tripwire.changed() if tripwire is not None else []
+            if changed:
+                state, msg = "error", "the test framework was changed during the run: " + ", ".join(changed[:10])
+                rep.send(t="violation", event="framework", why=msg, path="", line="")
+            rep.send(t="result", id=test.id(), outcome=state, message=msg, seconds=round(time.perf_counter() - self._t0, 4))
 
     wd = cfg["workdir"]
     top = os.path.normpath(os.path.join(wd, cfg.get("top") or "."))
@@ -275,7 +286,7 @@ def run_unittest(cfg, rep):
     suite.run(Result())
 
 
-def run_pytest(cfg, rep):
+def run_pytest(cfg, rep, tripwire):
     import pytest  # from the image, imported before the workdir is on the path
 
     wd = cfg["workdir"]
@@ -284,6 +295,7 @@ def run_pytest(cfg, rep):
     class Plugin:
         def __init__(self):
             self.state = {}
+            self.tripwire = tripwire
 
         def pytest_collection_finish(self, session):
             if not cfg.get("tests"):
@@ -306,12 +318,133 @@ def run_pytest(cfg, rep):
             elif report.when == "call" and st["outcome"] is None:
                 st["outcome"] = "failed" if hasattr(report, "wasxfail") else "passed"
             if report.when == "teardown":
-                rep.send(t="result", id=report.nodeid, outcome=st["outcome"] or "error",
-                         message=st["message"] if st["outcome"] else "the test reported no outcome",
-                         seconds=round(st["seconds"], 4))
+                outcome, msg = st["outcome"] or "error", st["message"] if st["outcome"] else "the test reported no outcome"
+                changed = self.tripwire.changed() if self.tripwire is not None else []
+                if changed:
+                    outcome, msg = "error", "the test framework was changed during the run: " + ", ".join(changed[:10])
+                    rep.send(t="violation", event="framework", why=msg, path="", line="")
+                rep.send(t="result", id=report.nodeid, outcome=outcome, message=msg, seconds=round(st["seconds"], 4))
 
     args = list(cfg.get("tests") or cfg.get("args") or [])
     pytest.main(["-p", "no:cacheprovider", "--import-mode=append", "--rootdir", wd, "-q", *args], plugins=[Plugin()])
+
+
+# ---------------------------------------------------------------- worker: the run-time guard
+
+FRAMEWORK = ("unittest", "_pytest", "pytest", "pluggy", "doctest", "_unittest")
+SENSITIVE = frozenset({"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys._getframemodulename",
+                       "gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.dlopen", "ctypes.dlsym",
+                       "ctypes.cdata", "ctypes.call_function", "os.system", "subprocess.Popen", "os.exec", "os.posix_spawn",
+                       "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg", "signal.pthread_kill", "sys.addaudithook",
+                       "socket.connect", "socket.__new__", "function.__new__", "code.__new__", "marshal.loads"})
+READS = frozenset({"open", "os.listdir", "os.scandir", "glob.glob", "os.walk"})
+
+
+def install_guard(cfg, rep):
+    """The audit hook. `solution`: files the solution changed, with the lines it added; `tests`:
+    files and directories that are the grader's (hidden tests, the named tests' files)."""
+    solution = {p: set(lines) for p, lines in (cfg.get("added") or {}).items()}
+    if not solution:
+        return
+    tests = tuple(cfg.get("protected") or ())
+    getframe = sys._getframe
+    state = {"busy": False, "reported": 0}
+
+    def solution_frame(direct):
+        f = getframe(2)
+        while f is not None:
+            if f.f_code.co_filename in solution:
+                return f
+            if direct:
+                return None
+            f = f.f_back
+        return None
+
+    def violate(event, why, f, block):
+        if state["reported"] < 50:
+            state["reported"] += 1
+            rep.send(t="violation", event=event, why=why, path=f.f_code.co_filename, line=f.f_lineno)
+        if block:
+            raise RuntimeError("refused by the grader: " + why)
+
+    def hook(event, args):
+        if state["busy"]:
+            return
+        if event in READS:
+            path = args[0] if args else None
+            if isinstance(path, bytes):
+                path = path.decode("utf-8", "replace")
+            if not isinstance(path, str):
+                return
+            path = os.path.abspath(path)
+            if not ((path + "/").startswith(tests) or path.startswith(("/proc/", "/dev/fd"))):
+                return
+            state["busy"] = True
+            try:
+                f = solution_frame(False)
+            finally:
+                state["busy"] = False
+            if f is not None:
+                violate(event, "reads %s" % path, f, True)
+        elif event in SENSITIVE:
+            state["busy"] = True
+            try:
+                f = solution_frame(True)
+            finally:
+                state["busy"] = False
+            if f is not None and f.f_lineno in solution[f.f_code.co_filename]:
+                violate(event, "calls %s" % event, f, False)
+
+    sys.addaudithook(hook)
+
+
+class Tripwire:
+    """The framework's functions and classes (module globals and class attributes of unittest,
+    pytest, pluggy) and the builtins, taken before anything of the workdir is imported and
+    compared whenever a test reports. The framework changes itself as it runs (configuration,
+    debugger hooks), so a change counts when the new value is code from the workdir: a function,
+    method, lambda or class the solution defined, put where the framework or the builtins look."""
+
+    def __init__(self, workdir):
+        self.root = workdir.rstrip("/") + "/"
+        self.seen = self._take()
+
+    @staticmethod
+    def _take():
+        import builtins
+
+        out = {("builtins", k): v for k, v in vars(builtins).items()}
+        for name, mod in list(sys.modules.items()):
+            if mod is None or name.split(".")[0] not in FRAMEWORK:
+                continue
+            for k, v in list(vars(mod).items()):
+                if callable(v):
+                    out[(name, k)] = v
+                    if isinstance(v, type) and getattr(v, "__module__", "") == name:
+                        for ck, cv in list(vars(v).items()):
+                            out[(name, k + "." + ck)] = cv
+        return out
+
+    def _from_workdir(self, v):
+        import functools
+        import types
+
+        if isinstance(v, (types.MethodType, classmethod, staticmethod)):
+            v = v.__func__
+        if isinstance(v, functools.partial):
+            v = v.func
+        if isinstance(v, property):
+            v = v.fget
+        if isinstance(v, types.FunctionType):
+            return v.__code__.co_filename.startswith(self.root)
+        if isinstance(v, type):
+            mod = sys.modules.get(v.__module__) if isinstance(v.__module__, str) else None
+            return str(getattr(mod, "__file__", "") or "").startswith(self.root)
+        return False
+
+    def changed(self):
+        now = self._take()
+        return sorted("%s.%s" % key for key, v in now.items() if self.seen.get(key) is not v and self._from_workdir(v))
 
 
 def worker():
@@ -319,7 +452,14 @@ def worker():
     rep = _Reporter(int(os.environ["CORRAL_REPORT_FD"]))
     os.chdir(cfg["workdir"])
     try:
-        (run_pytest if cfg["kind"] == "pytest" else run_unittest)(cfg, rep)
+        # the framework first (its own imports are not the solution's), then the guard, then tests
+        import unittest  # noqa: F401
+        if cfg["kind"] == "pytest":
+            import pytest  # noqa: F401
+        # taken before anything of the workdir is imported: what the framework is made of
+        tripwire = Tripwire(cfg["workdir"]) if cfg.get("added") else None
+        install_guard(cfg, rep)
+        (run_pytest if cfg["kind"] == "pytest" else run_unittest)(cfg, rep, tripwire)
     except SystemExit:
         pass
     except BaseException as e:  # the runner itself broke: say how, the parent counts what reported

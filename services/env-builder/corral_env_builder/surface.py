@@ -80,6 +80,11 @@ class Surface:
         """`path` is grader-owned or a directory holding grader-owned files: never removed."""
         return self.grader_owned(path) or path in self.owned_dirs or any(_under(o, path) for o in self.owned)
 
+    def protected(self) -> list[str]:
+        """What the solution's code must not read while the tests run: the test files and the
+        test directories (with a trailing slash, as prefixes)."""
+        return sorted(self.owned | {d.rstrip("/") + "/" for d in self.owned_trees})
+
     def inside(self, path: str) -> bool:
         return any(_under(path, r) for r in self.roots)
 

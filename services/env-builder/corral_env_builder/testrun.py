@@ -43,6 +43,7 @@ class RunReport(msgspec.Struct, kw_only=True):
     collected: dict[str, str] | None = None  # all-tests mode: id -> file
     errors: list[str] = []
     shadowing: list[str] = []
+    violations: list[dict[str, str]] = []  # what the run-time guard refused or saw (event, why, path, line)
     worker_exit: int | None = None
     seconds: float = 0.0
     output: str = ""
@@ -145,13 +146,15 @@ async def install(sb: AsyncSandbox, extra: dict[str, bytes] | None = None) -> No
 
 
 async def run(sb: AsyncSandbox, plan: RunnerPlan, workdir: str, timeout_s: float, tests: list[str] | None = None,
-              carried: list[str] | None = None) -> tuple[RunReport | None, ExecResult]:
+              carried: list[str] | None = None, added: dict[str, list[int]] | None = None,
+              protected: list[str] | None = None) -> tuple[RunReport | None, ExecResult]:
     """Run `tests` (None: every test the plan discovers) with the runner already installed.
     Returns (report, exec result); report None when no genuine result line came back (the runner
     was killed, or its output was tampered with)."""
     nonce = secrets.token_hex(16)
     cfg = {"nonce": nonce, "kind": plan.kind, "workdir": workdir, "timeout_s": timeout_s, "tests": tests or [],
-           "args": plan.args, "start": plan.start, "top": plan.top, "pattern": plan.pattern, "carried": carried or []}
+           "args": plan.args, "start": plan.start, "top": plan.top, "pattern": plan.pattern, "carried": carried or [],
+           "added": added or {}, "protected": protected or []}
     r = await sb.exec(["python3", "-I", RUNNER_PATH], stdin=msgspec.json.encode(cfg).decode() + "\n", cwd=workdir,
                       timeout_s=timeout_s + 30, max_output_bytes=8 << 20, env={"PATH": "/usr/local/bin:/usr/bin:/bin"})
     return parse(r.stdout, nonce), r
