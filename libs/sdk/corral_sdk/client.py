@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from corral_common import config, subjects
-from corral_common.errors import InvalidRequest, NotFound, Timeout, Unavailable, from_code
+from corral_common.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable, from_code
 from corral_common.messages import (
     AuditState, BatchProgress, ChangesReply, ChangesRequest, CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder, new_id,
 )
@@ -106,8 +107,22 @@ class AsyncClient:
         assert r.sandbox is not None
         return AsyncSandbox(self, r.sandbox)
 
-    async def create_spec(self, spec: SandboxSpec, timeout: float = 60.0) -> AsyncSandbox:
-        r = await self.request(subjects.SANDBOX_CREATE, encoder.encode(spec), timeout)
+    async def create_spec(self, spec: SandboxSpec, timeout: float = 60.0, wait_for_capacity_s: float = 0.0) -> AsyncSandbox:
+        """Create from a full spec. `wait_for_capacity_s` > 0: a `capacity` answer (backpressure:
+        every node full or running hot) is retried after its retry hint until that long has
+        passed, instead of raised at once. Retries reuse one request_id, so none creates twice."""
+        if wait_for_capacity_s > 0 and not spec.request_id:
+            spec = msgspec.structs.replace(spec, request_id=new_id("req"))
+        deadline = time.monotonic() + wait_for_capacity_s
+        while True:
+            try:
+                r = await self.request(subjects.SANDBOX_CREATE, encoder.encode(spec), timeout)
+                break
+            except (Capacity, Unavailable) as e:
+                pause = min(max(e.retry_after_s or 1.0, 0.1), 5.0)
+                if time.monotonic() + pause > deadline or (isinstance(e, Unavailable) and e.retry_after_s is None):
+                    raise
+                await asyncio.sleep(pause)
         assert r.sandbox is not None
         return AsyncSandbox(self, r.sandbox)
 

@@ -87,16 +87,17 @@ class Envs:
         await self.client.request(subjects.ENV_DELETE, encoder.encode(EnvRef(name=name, version=version)), 60)
 
     async def rollout(self, name: str, version: str = "", *, job: str = "", labels: dict[str, str] | None = None,
-                      **spec: Any) -> AsyncSandbox:
+                      wait_for_capacity_s: float = 120.0, **spec: Any) -> AsyncSandbox:
         """A fresh sandbox of the environment for an agent: its image, limits, workdir and canaries;
-        labelled so that `grade()` finds the environment. `**spec` overrides SandboxSpec fields."""
+        labelled so that `grade()` finds the environment. `**spec` overrides SandboxSpec fields.
+        A full or hot cluster is waited out for up to `wait_for_capacity_s` (0: fail at once)."""
         env = await self.get(name, version)
         lim = env.limits
         base = dict(image=env.image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
                     ttl_s=lim.ttl_s, workdir=env.workdir, job=job, canaries=env.canaries,
                     labels={**(labels or {}), ENV_LABEL: env.name, ENV_VERSION_LABEL: env.version})
         base.update(spec)
-        return await self.client.create_spec(SandboxSpec(**base))
+        return await self.client.create_spec(SandboxSpec(**base), wait_for_capacity_s=wait_for_capacity_s)
 
     async def grade(self, sandbox: AsyncSandbox | str, *, destroy: bool = False, fail_on: str = "high",
                     require_monitor: bool = True, alert_wait_s: float = 10.0, timeout: float = 600.0,

@@ -141,7 +141,7 @@ class Builder:
                             workdir=spec.workdir, job=job,
                             labels={"corral.role": "env-build", ENV_LABEL: spec.name, "corral.build": build_id})
         try:
-            sb = await self.client.create_spec(bspec, timeout=120)
+            sb = await self.client.create_spec(bspec, timeout=120, wait_for_capacity_s=verify.CAPACITY_WAIT_S)
         except NotFound as e:
             raise InvalidRequest(f"base_image {spec.base_image!r} cannot be used: {e.message}") from None
         try:

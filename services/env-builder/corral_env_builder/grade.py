@@ -32,7 +32,7 @@ from corral_common.errors import InvalidRequest, Unavailable
 from corral_common.messages import AuditState, ExecResult, SandboxSpec, encoder
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
-from . import codescan, surface, testrun, workspace
+from . import codescan, surface, testrun, verify, workspace
 from .catalog import EnvCatalog, StoredEnv
 
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -78,7 +78,7 @@ class Grader:
         spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
                            pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
                            job=info.job, labels={"corral.role": "env-grade", ENV_LABEL: rec.name, "corral.graded": req.sandbox_id})
-        g = await self.client.create_spec(spec)
+        g = await self.client.create_spec(spec, wait_for_capacity_s=verify.CAPACITY_WAIT_S)
         try:
             carried, sources = await self._carry(g, verdict, taken.archives, surf)
             findings += _scan(sources)

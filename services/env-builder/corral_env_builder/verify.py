@@ -19,6 +19,7 @@ from . import gitpin, testrun, workspace
 from .testrun import RunnerPlan, RunReport
 
 PATCH_FILE = "/tmp/.corral-solution.patch"
+CAPACITY_WAIT_S = 300.0  # the builder's and grader's own sandboxes wait out a full or hot cluster
 APPLY_PATCH = (f"if command -v patch >/dev/null 2>&1; then patch -p1 --forward -s < {PATCH_FILE}; "
                f"else git apply --unsafe-paths {PATCH_FILE}; fi; rc=$?; rm -f {PATCH_FILE}; exit $rc")
 
@@ -81,7 +82,7 @@ async def run_tests(sb: AsyncSandbox, spec: EnvSpec) -> ExecResult:
 async def _run_case(client: AsyncClient, spec: EnvSpec, plan: RunnerPlan, image: str, job: str, case: Case,
                     scan_sizes: set[int]) -> None:
     try:
-        sb = await client.create_spec(sandbox_spec(spec, image, "env-verify", job))
+        sb = await client.create_spec(sandbox_spec(spec, image, "env-verify", job), wait_for_capacity_s=CAPACITY_WAIT_S)
     except Exception as e:
         case.error = f"could not create a sandbox: {e}"
         return
