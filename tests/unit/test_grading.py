@@ -114,6 +114,11 @@ def test_flat_layout_keeps_the_code_beside_the_tests():
     assert [c.path for c in v.carried] == ["/repo/six.py"] and v.discarded == ["/repo/test_new.py", "/repo/test_six.py"]
 
 
+def test_only_the_workdir_is_protected_from_the_solution():
+    s = surface.surface_for("/repo", [], ["/repo/tests/test_h.py"], [], ["/usr/lib/python3.11/doctest.py"], [])
+    assert s.protected() == ["/repo/tests/", "/repo/tests/test_h.py"]
+
+
 def test_scratch_files_are_not_tampering():
     for p in ("/tmp/notes.txt", "/root/.python_history", "/var/tmp/x", "/root/.bash_history", "/opt/work/a.py"):
         assert not surface.tampers(p), p
@@ -242,6 +247,7 @@ def test_unittest_by_names_and_load_tests(tree):
                                             '    s = sorted(xs)\n    return s[len(s) // 2]\n')
     rep, _ = run_runner(tree, args=["tests.test_doc"])
     assert rep is not None and rep.results["calc.stats.median"].outcome == "passed" and len(rep.results) == 1
+    assert rep.collected == {"calc.stats.median": ""}  # a doctest's file is the solution's module, never the grader's
     rep, _ = run_runner(tree, args=["tests.test_doc", "tests.test_s"], tests=["calc.stats.median", "tests.test_s.T.test_even"])
     assert rep is not None and {k: v.outcome for k, v in rep.results.items()} == {"calc.stats.median": "passed",
                                                                                   "tests.test_s.T.test_even": "failed"}

@@ -187,6 +187,8 @@ def _unittest_ids(suite):
 
 
 def _unittest_file(test):
+    if type(test).__name__ in ("DocTestCase", "DocFileCase", "SkipDocTestCase"):
+        return ""  # a doctest lives in the module it tests: that file is the solution's, not the grader's
     mod = sys.modules.get(type(test).__module__)
     return getattr(mod, "__file__", "") or ""
 
@@ -406,24 +408,22 @@ class Tripwire:
     method, lambda or class the solution defined, put where the framework or the builtins look."""
 
     def __init__(self, workdir):
-        self.root = workdir.rstrip("/") + "/"
-        self.seen = self._take()
-
-    @staticmethod
-    def _take():
         import builtins
 
-        out = {("builtins", k): v for k, v in vars(builtins).items()}
+        self.root = workdir.rstrip("/") + "/"
+        self.seen = []  # (owner name, namespace, key, value): compared by identity at each report
+        self._add("builtins", vars(builtins))
         for name, mod in list(sys.modules.items()):
             if mod is None or name.split(".")[0] not in FRAMEWORK:
                 continue
+            self._add(name, vars(mod))
             for k, v in list(vars(mod).items()):
-                if callable(v):
-                    out[(name, k)] = v
-                    if isinstance(v, type) and getattr(v, "__module__", "") == name:
-                        for ck, cv in list(vars(v).items()):
-                            out[(name, k + "." + ck)] = cv
-        return out
+                if isinstance(v, type) and getattr(v, "__module__", "") == name:
+                    self._add(name + "." + k, vars(v))
+
+    def _add(self, owner, ns):
+        self.seen.extend((owner, ns, k, v) for k, v in list(ns.items()) if callable(v) or isinstance(v, (property, classmethod,
+                                                                                                       staticmethod)))
 
     def _from_workdir(self, v):
         import functools
@@ -443,8 +443,12 @@ class Tripwire:
         return False
 
     def changed(self):
-        now = self._take()
-        return sorted("%s.%s" % key for key, v in now.items() if self.seen.get(key) is not v and self._from_workdir(v))
+        out = []
+        for owner, ns, k, v in self.seen:
+            now = ns.get(k, v)
+            if now is not v and self._from_workdir(now):
+                out.append(owner + "." + k)
+        return out
 
 
 def worker():

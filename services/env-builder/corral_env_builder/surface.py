@@ -63,7 +63,7 @@ class Surface:
         """Test directories owned whole: not the workdir or a surface root (flat layouts keep
         their tests beside the code)."""
         return {d for d in self.owned_dirs
-                if d != self.workdir and not any(_under(r, d) for r in self.roots)}
+                if d != self.workdir and _under(d, self.workdir) and not any(_under(r, d) for r in self.roots)}
 
     def grader_owned(self, path: str) -> bool:
         base = posixpath.basename(path)
@@ -83,7 +83,7 @@ class Surface:
     def protected(self) -> list[str]:
         """What the solution's code must not read while the tests run: the test files and the
         test directories (with a trailing slash, as prefixes)."""
-        return sorted(self.owned | {d.rstrip("/") + "/" for d in self.owned_trees})
+        return sorted(p for p in self.owned | {d.rstrip("/") + "/" for d in self.owned_trees} if _under(p.rstrip("/"), self.workdir))
 
     def inside(self, path: str) -> bool:
         return any(_under(path, r) for r in self.roots)

@@ -230,8 +230,9 @@ def per_test_checks(spec: EnvSpec, plan: RunnerPlan, cases: list[Case], secs: fl
                               evidence="\n".join(flaky[:50])))
     # every file the runner collected tests from is the grader's, named tests or not: a test module
     # an agent edits could patch the framework when discovery imports it
+    root = spec.workdir.rstrip("/") + "/"
     files = sorted({f for t in {*collected, *f2p, *p2p} if (f := testrun.test_file(plan, spec.workdir, t, collected.get(t, "")))
-                    and f.endswith(".py")})
+                    and f.endswith(".py") and f.startswith(root)})
     return Verified(checks=checks, fail_to_pass=f2p, pass_to_pass=p2p, test_files=files)
 
 
