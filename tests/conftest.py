@@ -36,16 +36,19 @@ def make_stack(nodes: int = 1, **kw) -> Stack:
 @contextlib.asynccontextmanager
 async def running_stack(nodes: int = 1, **kw) -> AsyncIterator[Stack]:
     """A started stack of a test's (or fixture's) own; afterwards stopped, checked to have left
-    nothing behind on any of its nodes (leaks.assert_clean), and its data dir removed."""
+    nothing behind on any of its nodes (leaks.assert_clean), and its data dir removed, whether the
+    test passed or not (Stack.stop sweeps the stack's mounts and cgroups first)."""
     s = make_stack(nodes=nodes, **kw)
     try:
-        await s.start()
-        yield s
-    finally:
-        await s.stop()
-    for i in range(s.nodes):
-        assert_clean(s.data_dir, f"node-{i + 1}")
-    shutil.rmtree(s.data_dir, ignore_errors=True)
+        try:
+            await s.start()
+            yield s
+        finally:
+            await s.stop()
+        for i in range(s.nodes):
+            assert_clean(s.data_dir, f"node-{i + 1}")
+    finally:  # also when the test (or the leak check) failed: a failed run leaves no data dir behind
+        shutil.rmtree(s.data_dir, ignore_errors=True)
 
 
 def ensure_builtin_images() -> None:

@@ -1,9 +1,11 @@
 """A node-agent stand-in that speaks the node protocol on the real bus (heartbeats, create,
 create_batch, placements in KV) without running sandboxes: for scheduler tests and scale benchmarks.
 
-Like the real node-agent's batch handler, a batch item claims its placement key with a KV create
-(compare-and-set) before it counts as made, so an item that another node already holds is
-answered `conflict` instead of being made twice."""
+Like the real node-agent, a create (single or a batch item) claims its placement key with a KV
+create (compare-and-set) before it counts as made, so an id that another node already holds is
+answered `conflict` instead of being made twice. `late`, when set up, holds the answer to a single
+create (made and claimed already) until it is set: a node whose answer reaches the scheduler after
+its timeout."""
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +46,10 @@ class SimNode:
         self.held = 0  # batch requests that arrived while held
         self.fail_every = 0  # > 0: every n-th batch item this node sees fails with `internal`
         self._seen = 0
-        self.conflicts = 0  # batch items refused because another node holds them
+        self.conflicts = 0  # creates and batch items refused because another node holds them
+        self.late: asyncio.Event | None = None  # when set up: single-create answers wait for it
+        self.created = 0  # single creates this node made (claimed)
+        self.beat_on_create = False  # a heartbeat (counting the new sandbox) goes out before the create's answer
 
     async def start(self, interval: float = 0.5) -> SimNode:
         if self.write_kv:
@@ -98,8 +103,27 @@ class SimNode:
         info = self._info(req, time.time())
         self.add(info)
         if self.kv is not None:
-            await self.kv.put(info.id, encoder.encode(info))
-        await msg.respond(ok(sandbox=info))
+            (done,) = await self._claim([info])
+            if done is not None:
+                self._drop(info)
+                if isinstance(done, KeyWrongLastSequenceError):
+                    self.conflicts += 1
+                    await msg.respond(error("conflict", f"sandbox {info.id} is already placed on another node"))
+                else:
+                    await msg.respond(error("unavailable", f"placement not recorded: {done}"))
+                return
+        self.created += 1
+        counted_at = time.time()
+        if self.beat_on_create:
+            await self.heartbeat()
+        if self.late is not None:
+            await self.late.wait()
+        await msg.respond(ok(sandbox=info, counted_at=counted_at))
+
+    def _drop(self, info: SandboxInfo) -> None:
+        self.sandboxes.pop(info.id, None)
+        self.req_cpu -= info.cpu
+        self.req_mem -= info.memory_mb
 
     async def _on_create_batch(self, msg) -> None:
         self.batches += 1
@@ -132,9 +156,7 @@ class SimNode:
         done = await self._claim([info for _, info in claims]) if self.kv is not None and claims else [None] * len(claims)
         for (k, info), d in zip(claims, done):
             if isinstance(d, BaseException):
-                self.sandboxes.pop(info.id, None)
-                self.req_cpu -= info.cpu
-                self.req_mem -= info.memory_mb
+                self._drop(info)
                 if isinstance(d, KeyWrongLastSequenceError):
                     self.conflicts += 1
                     results[k] = NodeItemResult(ok=False, error=ErrorBody(code="conflict", message=f"sandbox {info.id} is already placed on another node"))

@@ -21,7 +21,8 @@ from ..simnode import SimNode
 
 @pytest.fixture(scope="module")
 async def sched():
-    async with running_stack(nodes=0) as s:
+    # a node that does not answer a create within 10 s is given up on (a late-answer test waits that long)
+    async with running_stack(nodes=0, scheduler_args=["--node-timeout-s", "10"]) as s:
         yield s
 
 
@@ -316,4 +317,96 @@ async def test_creates_in_flight_are_not_counted_twice():
                 await c.create(image="busybox", cpu=0.125, memory_mb=32, ttl_s=300)
             await asyncio.gather(*(sb.destroy() for sb in made))
         finally:
+            await c.close()
+
+
+async def test_a_heartbeat_taken_before_the_answer_arrives_does_not_count_a_create_twice(bus):
+    """The node counts a sandbox in its heartbeats from the moment it registers it, and the
+    scheduler holds a reservation for the create until a heartbeat covering it is in. Here every
+    create's heartbeat (counting it) leaves the node before its answer, as a heartbeat taken while
+    the answer is in transit does: a reservation dropped only by a heartbeat taken after the
+    scheduler *read* the answer (its own clock) stayed on top of the node's count, so a node with
+    room for 4 refused the 3rd. No periodic heartbeats: only these orderings happen."""
+    nc, node = bus
+    n = await node("exact", cpu=1.0, memory_mb=100_000, cpu_overcommit_max=1.0)
+    n.beating = False
+    n.beat_on_create = True
+    job = f"exact-{uuid.uuid4().hex[:6]}"
+    for k in range(4):
+        r = await create(nc, cpu=0.25, memory_mb=64, job=job)
+        assert r["ok"] and r["sandbox"]["node"] == n.name, (k, r)
+    r = await create(nc, cpu=0.25, memory_mb=64, job=job)
+    assert r["ok"] is False and r["error"]["code"] == "capacity", r
+    assert n.created == 4
+
+
+async def test_a_late_node_that_claimed_first_keeps_the_sandbox(bus):
+    """The scheduler's create times out on a node that made the sandbox but answers late; it asks
+    the next node, which finds the id claimed (compare-and-set on the placement key), undoes its
+    create and answers `conflict`; the scheduler answers with the late node's sandbox: one id,
+    one sandbox, and the reply names the node that holds it."""
+    nc, node = bus
+    slow = await node("slow", cpu=64.0, memory_mb=100_000)
+    assert (await create(nc, cpu=1.0, memory_mb=64, placement="pack"))["ok"]  # the fuller node: asked first
+    slow.late = asyncio.Event()
+    other = await node("other", cpu=64.0, memory_mb=100_000)
+    try:
+        r = await create(nc, cpu=1.0, memory_mb=64, placement="pack")
+    finally:
+        slow.late.set()
+    assert r["ok"] and r["sandbox"]["node"] == slow.name, r
+    sid = r["sandbox"]["id"]
+    assert sid in slow.sandboxes and sid not in other.sandboxes and other.conflicts == 1
+    listed = json.loads((await nc.request("corral.v1.sandbox.list", b"{}", timeout=5)).data)
+    assert [s["node"] for s in listed["sandboxes"] if s["id"] == sid] == [slow.name]
+
+
+async def test_a_late_create_on_a_real_node_is_undone_when_another_node_holds_the_id():
+    """A real node-agent that answers the scheduler late (SIGSTOPped while the create waits in
+    its socket): the scheduler times out, makes the sandbox on the other node, and the late node,
+    once running again, builds the sandbox, finds its placement key held by the other node,
+    destroys what it built and reports the create undone. Exactly one sandbox with that id exists
+    afterwards, on the node the reply names."""
+    import signal
+
+    from ..leaks import node_leftovers
+
+    async with running_stack(nodes=2, monitor=False, env_builder=False,
+                             scheduler_args=["--node-timeout-s", "2", "--stale-after-s", "120"]) as s:
+        c = await AsyncClient.connect(s.url)
+        nc = await nats.connect(s.url)
+        try:
+            first = await c.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=300, placement="pack")
+            late = first.info.node  # the fuller node, asked first under `pack`
+            agent = s.proc(late).popen
+            failed: dict[str, dict] = {}
+            got = asyncio.Event()
+
+            async def on_failed(m):
+                ev = json.loads(m.data)
+                failed[ev["sandbox_id"]] = ev
+                got.set()
+
+            await nc.subscribe("corral.events.sandbox.*.failed", cb=on_failed)
+            os.kill(agent.pid, signal.SIGSTOP)
+            try:
+                sb = await c.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=300, placement="pack")
+            finally:
+                os.kill(agent.pid, signal.SIGCONT)
+            assert sb.info.node != late, sb.info
+            await asyncio.wait_for(got.wait(), 120)  # the late node's create, undone
+            ev = failed[sb.id]
+            assert ev["node"] == late and sb.info.node in ev["reason"], ev
+            held = {node: node_leftovers(s.data_dir, node) for node in ("node-1", "node-2")}
+            assert sb.id not in held[late]["runc"] and sb.id not in held[late]["sandbox_dirs"], held
+            assert sb.id in held[sb.info.node]["runc"], held
+            kv = await nc.jetstream().key_value("corral_placements")
+            assert json.loads((await kv.get(sb.id)).value)["node"] == sb.info.node
+            listed = json.loads((await nc.request("corral.v1.sandbox.list", b"{}", timeout=5)).data)
+            assert [x["node"] for x in listed["sandboxes"] if x["id"] == sb.id] == [sb.info.node]
+            assert (await sb.exec("echo hi")).stdout.strip() == "hi"
+            await sb.destroy()
+            await first.destroy()
+        finally:
+            await nc.close()
             await c.close()

@@ -36,6 +36,27 @@ def test_reservations_count_until_a_later_heartbeat_covers_them():
     assert st.free()[1] == 400
 
 
+def test_a_reservation_is_settled_by_the_nodes_clock_not_the_schedulers():
+    """The node counts a sandbox from `counted_at` (its clock); a heartbeat taken after that which
+    arrived before the answer already counts it, so settling drops the reservation at once; one
+    taken before does not, so the reservation stays until a heartbeat taken after it. (Settled by
+    the scheduler's clock at the answer, the first case counted the sandbox twice.)"""
+    r = Registry()
+    t = 1_000_000.0
+    r.heartbeat(hb("a", mem=1000, ts=t))
+    st = r.nodes["a"]
+    early, late = Reservation(cpu=0, memory_mb=300), Reservation(cpu=0, memory_mb=300)
+    st.reservations += [early, late]
+    r.heartbeat(hb("a", mem=1000, used_mem=300, ts=t + 2))  # counts `early`, made at t + 1; its answer is still on the way
+    assert st.free()[1] == 100  # in flight: counted by the node and reserved (not knowable before the answer)
+    st.settle(early, t + 1)
+    assert st.reservations == [late] and st.free()[1] == 400
+    st.settle(late, t + 3)  # made after the latest heartbeat: still reserved
+    assert st.reservations == [late] and st.free()[1] == 400
+    r.heartbeat(hb("a", mem=1000, used_mem=600, ts=t + 3))
+    assert st.reservations == [] and st.free()[1] == 400
+
+
 def test_stale_and_stopping_nodes_are_not_alive():
     r = Registry(stale_after_s=0.01)
     r.heartbeat(hb("a"))

@@ -37,6 +37,7 @@ from .audit_files import FileActivity
 from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
 from .batchcreate import BatchCreate, clean_claims
+from .claim import claim_placement
 from .layermounts import LayerMounts
 from .trajectory import TrajectoryLog
 from .usage import Observed, UsageTracker
@@ -219,6 +220,11 @@ class NodeAgent:
         await self._publish_heartbeat(stopping=True)
         if self.pool is not None:
             await self.pool.close()
+        # creates already accepted finish first (no new ones start): one registered after the list
+        # below was taken would outlive the agent, its placement left for the scheduler to find
+        deadline = time.monotonic() + 60
+        while self.creating and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         if not self.cfg.keep_sandboxes_on_exit:
             await asyncio.gather(*(self.destroy(sid, "node-agent shutdown") for sid in list(self.sandboxes)), return_exceptions=True)
             # destroys already in flight (requests, TTL) are skipped above: let them finish too
@@ -640,6 +646,9 @@ class NodeAgent:
             await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job, reason="create failed"))
             raise
         sb.info.state = "running"
+        claimed = getattr(msg, "claimed", False)  # a batch item: its placement key is claimed already
+        if not claimed:
+            await self._claim_or_undo(sb, sub)
         if spec.canaries or spec.protected_paths:
             try:
                 for cpath, content in spec.canaries.items():
@@ -649,6 +658,11 @@ class NodeAgent:
                 if self.files_audit is not None:
                     await asyncio.shield(asyncio.to_thread(self.files_audit.remove, sb.id))
                 await asyncio.shield(sub.destroy(sb))
+                if not claimed:  # our claim names a sandbox that is gone (a batch item's is removed by the batch)
+                    try:
+                        await self.placements.delete(sb.id)
+                    except Exception:
+                        pass
                 await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job,
                                                 reason="create failed"))
                 if isinstance(e, CorralError):
@@ -657,8 +671,11 @@ class NodeAgent:
         # on the loop when nothing of this sandbox carries a permission mark (opening its root
         # cannot wait on this loop's answer): a thread hop costs more than the marks
         await self._watch_activity(sb, sub, inline=not (spec.canaries or spec.protected_paths))
-        self.creating.pop(sb.id, None)  # from here on it counts as a sandbox
-        await self._register(sb, sub)  # serves corral.v1.sandbox.<id>.> before anyone hears of it
+        # from here on it counts as a sandbox, in every heartbeat taken at or after counted_at (no
+        # await in between): the scheduler drops its reservation for it once such a heartbeat is in
+        counted_at = time.time()
+        self.creating.pop(sb.id, None)
+        await self._register(sb, sub, record=claimed)  # serves corral.v1.sandbox.<id>.> before anyone hears of it
         CREATE_SECONDS.labels(self.node, spec.substrate).observe(time.perf_counter() - t0)
         body = ok(sandbox=sb.info)
         reply = getattr(msg, "reply", "")
@@ -667,7 +684,7 @@ class NodeAgent:
             # the client's answer goes straight to it; the scheduler hears first (same flush) that
             # it was given, and only records the placement
             try:
-                await self.nc.publish(reply, body[:-1] + b',"replied":true}')
+                await self.nc.publish(reply, body[:-1] + b',"replied":true,"counted_at":' + repr(counted_at).encode() + b"}")
                 await self.nc.publish(req.reply_to, body)
             except Exception:
                 log.warning("could not publish the create reply", extra={"fields": {"sandbox": sb.id}})
@@ -679,7 +696,26 @@ class NodeAgent:
         self._check_limits(sb, sub)
         await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
         await self._event(sb, "ready")
-        return None if direct else body
+        return None if direct else body[:-1] + b',"counted_at":' + repr(counted_at).encode() + b"}"
+
+    async def _claim_or_undo(self, sb: Sandbox, sub: Substrate) -> None:
+        """Claim the new sandbox's placement (claim.py). If another node holds the id (the
+        scheduler gave up on this node's late answer and placed it there), destroy what was built
+        here and refuse with `conflict` naming the owner: one id never names two live sandboxes."""
+        try:
+            owner = await claim_placement(self.placements, sb.info)
+        except BaseException as e:
+            await asyncio.shield(sub.destroy(sb))
+            if isinstance(e, Exception):
+                raise Unavailable(f"placement of {sb.id} not recorded on node {self.node}: {e}", retry_after_s=0.5) from None
+            raise
+        if not owner:
+            return
+        await asyncio.shield(sub.destroy(sb))
+        logs.kv(log, logging.WARNING, "create undone: the id is placed on another node", sandbox=sb.id, owner=owner)
+        await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=sb.id, node=self.node, job=sb.info.job,
+                                        reason=f"create undone: sandbox {sb.id} is placed on node {owner}"))
+        raise Conflict(f"sandbox {sb.id} is already placed on node {owner}; this node's late create was undone")
 
     async def _on_run(self, msg: Msg) -> None:
         """`corral.node.<node>.run` (from the scheduler's `corral.v1.sandbox.run`): a fresh sandbox,
@@ -748,10 +784,11 @@ class NodeAgent:
                                         detail={"exit_code": result.exit_code, "duration_ms": round(result.duration_ms, 3)}))
         return None
 
-    async def _register(self, sb: Sandbox, sub: Substrate) -> None:
+    async def _register(self, sb: Sandbox, sub: Substrate, record: bool = True) -> None:
         self.sandboxes[sb.id] = sb
         self.substrate_of[sb.id] = sub
-        self._record_placement(sb)
+        if record:  # (a single create's claim wrote it already)
+            self._record_placement(sb)
         await self.responder.serve(subjects.sandbox_all(sb.id), self._sandbox_handler(sb.id), "sandbox", key=sb.id)
         SANDBOXES.labels(self.node, sub.name).set(sum(1 for s in self.substrate_of.values() if s is sub))
         sub.watch_exit(sb, self._on_sandbox_exit)
@@ -1099,6 +1136,7 @@ class NodeAgent:
         # creates in flight are left out: the scheduler that sent them holds a reservation for
         # each until a heartbeat taken after the node's answer covers it (counting both made a
         # node look full with room to spare); the node's own admission check counts them
+        stopping = stopping or not self.accepting  # every heartbeat of a stopping node says so
         cpu, mem = self._requested(creating=False)
         hb = Heartbeat(
             node=self.node, ts=time.time(), capacity=self.capacity,
@@ -1108,9 +1146,12 @@ class NodeAgent:
             substrates=list(self.substrates), metrics_url=self.metrics_url, stopping=stopping,
             warm=self.pool.by_image() if self.pool else {},
         )
+        # published, not flushed with a PING round trip: nats-py (2.16) cancels a flush's future on
+        # its timeout, and the PONG arriving after that raises InvalidStateError in the client's
+        # read loop, which then stops for good: the node still sent heartbeats but heard no
+        # create, reply or KV ack again. The client's flusher writes the heartbeat out at once.
         try:
             await self.nc.publish(subjects.NODE_HEARTBEAT, encoder.encode(hb))
-            await self.nc.flush(timeout=2)
         except Exception:
             log.warning("heartbeat not sent")
 

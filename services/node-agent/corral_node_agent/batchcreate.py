@@ -34,12 +34,14 @@ ITEMS = metrics.counter("corral_node_batch_items_total", "create_batch items by 
 
 
 class _ItemMsg:
-    """What `_on_create` reads of a request (its data), for an item of a batch."""
+    """What `_on_create` reads of a request (its data), for an item of a batch, whose placement
+    key is claimed already (`claimed`: the create does not claim it again)."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "claimed")
 
     def __init__(self, data: bytes):
         self.data = data
+        self.claimed = True
 
 
 def claims_dir(agent) -> str:
@@ -118,7 +120,8 @@ class BatchCreate:
         made = sum(1 for r in results if r.startswith(b'{"ok":true'))
         logs.kv(log, logging.INFO, "batch created", node=self.agent.node, items=len(results), made=made,
                 seconds=round(time.perf_counter() - t0, 3))
-        return b'{"ok":true,"results":[' + b",".join(results) + b"]}"
+        # every item made is in the node's heartbeats taken from now on (node clock, like theirs)
+        return b'{"ok":true,"counted_at":' + repr(time.time()).encode() + b',"results":[' + b",".join(results) + b"]}"
 
     async def _item(self, item: NodeCreate) -> bytes:
         sid = item.sandbox_id

@@ -14,7 +14,9 @@ class Reservation:
     cpu: float
     memory_mb: int
     n: int = 1  # sandboxes (a batch sent to one node reserves them all at once)
-    done_at: float | None = None  # when the node answered; dropped once a later heartbeat covers it
+    # when the node started counting what it made, on the node's clock (its heartbeats' `ts` are
+    # on that clock too): dropped once a heartbeat taken at or after it is in
+    done_at: float | None = None
 
 
 @dataclass
@@ -37,6 +39,17 @@ class NodeState:
     seen: float
     reservations: list[Reservation] = field(default_factory=list)
     interval: float = 1.0  # the node's heartbeat interval, as observed (smoothed)
+
+    def settle(self, res: Reservation, counted_at: float) -> None:
+        """The node answered for `res`: it counts what it made in every heartbeat taken from
+        `counted_at` (node clock) on. If the latest heartbeat is one of those (it overtook the
+        answer), it already counts them and the reservation goes now; otherwise the first such
+        heartbeat drops it. (The scheduler's own clock at the answer, used before, is later than
+        `counted_at` by the answer's transit, and on another machine than the node's: every
+        heartbeat in between counted the sandbox twice, which refused creates a node had room for.)"""
+        res.done_at = counted_at
+        if counted_at <= self.hb.ts and res in self.reservations:
+            self.reservations.remove(res)
 
     def reserved(self) -> tuple[float, int, int]:
         return (

@@ -56,6 +56,7 @@ class _Reply(msgspec.Struct):
     sandbox: SandboxInfo | None = None
     error: dict | None = None
     replied: bool = False  # the node answered the client itself (NodeCreate.reply_to)
+    counted_at: float | None = None  # from then on (node clock) the node's heartbeats count it
 
 
 def _node_error(r: _Reply) -> CorralError:
@@ -68,6 +69,7 @@ class _BatchReply(msgspec.Struct):
     ok: bool
     results: list[NodeItemResult] | None = None
     error: ErrorBody | None = None
+    counted_at: float | None = None  # from then on (node clock) the node's heartbeats count what it made
 
 
 _batch_reply_decoder = msgspec.json.Decoder(_BatchReply)
@@ -418,12 +420,16 @@ class Scheduler:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
+        timed_out = False
         for st, res in self._attempts(alive, spec, tried):
             try:
-                info = await self._ask_node(st.hb.node, sid, spec, reply_to, replied)
+                r = await self._ask_node(st.hb.node, sid, spec, reply_to, replied)
             except CorralError as e:
                 st.reservations.remove(res)
+                if e.code == Code.CONFLICT and (held := await self._held_elsewhere(sid, st.hb.node)) is not None:
+                    return held
                 if e.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.TIMEOUT):
+                    timed_out = timed_out or e.code == Code.TIMEOUT
                     last = e
                     continue
                 REJECTIONS.labels(e.code.value).inc()
@@ -431,11 +437,27 @@ class Scheduler:
             except BaseException:
                 st.reservations.remove(res)
                 raise
-            res.done_at = time.time()
+            info = r.sandbox
+            assert info is not None
+            st.settle(res, r.counted_at if r.counted_at is not None else info.created_at)
             PLACEMENTS.labels(st.hb.node).inc()
             self._set_placed(info)
             return info
+        if timed_out and (held := await self._held_elsewhere(sid, "")) is not None:
+            return held  # a node that did not answer in time made it meanwhile
         raise self._no_room("a sandbox", spec, alive, tried, last, retry_after_s=1.0)
+
+    async def _held_elsewhere(self, sid: str, refused_by: str) -> SandboxInfo | None:
+        """The sandbox `sid` as placed by a node other than `refused_by`, if one holds it: a node
+        this create was sent to earlier did not answer in time, and made it after all. Nodes claim
+        a create's placement key (compare-and-set) before they answer, so the one that did is the
+        only one holding it; the others undo theirs and answer `conflict`."""
+        info = await self._placement(sid)
+        if info is None or info.node == refused_by or info.state not in ("running", "paused"):
+            return None
+        self._set_placed(info)
+        PLACEMENTS.labels(info.node).inc()
+        return info
 
     def _attempts(self, alive: list, spec: SandboxSpec, tried: list[str]):
         """The (up to three) best candidate nodes for spec, one at a time, each with a reservation
@@ -455,7 +477,8 @@ class Scheduler:
         return Capacity(f"no node has room for {what} with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
                         f"({placement.describe_room(alive, self.policy)}){detail}", retry_after_s=retry_after_s)
 
-    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> SandboxInfo:
+    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec, reply_to: str = "", replied: list | None = None) -> _Reply:
+        """The node's success reply to a create (its `sandbox` set), or its error raised."""
         data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec, reply_to=reply_to))
         try:
             resp = await self.nc.request(subjects.node_create(node), data, timeout=self.cfg.node_timeout_s)
@@ -468,7 +491,7 @@ class Scheduler:
             raise _node_error(r)
         if r.replied and replied is not None:
             replied.append(True)
-        return r.sandbox
+        return r
 
     async def _on_run(self, msg: Msg) -> bytes:
         """`corral.v1.sandbox.run`: place a one-shot call on a node offering its substrate (spread,
@@ -776,7 +799,7 @@ class Scheduler:
             await resolve(i, err)
             failed += 1
         res.n, res.cpu, res.memory_mb = made, spec.cpu * made, spec.memory_mb * made
-        res.done_at = time.time()
+        st.settle(res, reply.counted_at if reply.counted_at is not None else time.time())
         if made:
             PLACEMENTS.labels(node).inc(made)
         await progress.add(placed=made, failed=failed)
