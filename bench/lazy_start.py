@@ -62,6 +62,7 @@ import time
 import traceback
 from typing import Any
 
+from corral_common import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
 from bench._common import log, pyplot
@@ -304,14 +305,14 @@ class Bench:
     # ---- loader helpers
 
     async def loader(self, op: str, body: dict | None = None, timeout: float = 120) -> dict:
-        m = await self.c.nc.request(f"corral.node.{NODE}.loader.{op}", json.dumps(body or {}).encode(), timeout=timeout)
+        m = await self.c.nc.request(subjects.node_loader(NODE, op), json.dumps(body or {}).encode(), timeout=timeout)
         r = json.loads(m.data)
         if not r.get("ok"):
             raise RuntimeError(f"loader {op}: {r.get('error')}")
         return r
 
     async def image_req(self, op: str, body: dict, timeout: float = 1800) -> dict:
-        m = await self.c.nc.request(f"corral.v1.image.{op}", json.dumps(body).encode(), timeout=timeout)
+        m = await self.c.nc.request(subjects.image_op(op), json.dumps(body).encode(), timeout=timeout)
         r = json.loads(m.data)
         if not r.get("ok"):
             raise RuntimeError(f"image {op} {body}: {r.get('error')}")

@@ -139,7 +139,7 @@ async def publish_backlog(js, job: str, total: int, per_msg: int = 256, unique: 
     t0 = time.perf_counter()
     futs = []
     for start in range(0, total, per_msg):
-        futs.append(js.publish(f"corral.audit.bench-node.sb-{job}", make_batch(job, start, min(per_msg, total - start), unique=unique)))
+        futs.append(js.publish(subjects.audit("bench-node", f"sb-{job}"), make_batch(job, start, min(per_msg, total - start), unique=unique)))
         if len(futs) >= 64:
             await asyncio.gather(*futs)
             futs = []
@@ -276,7 +276,7 @@ async def alert_latency(nc, n: int, rate: float, load_eps: float = 0.0) -> dict[
             if len(got) >= n:
                 done.set()
 
-    sub = await nc.subscribe("corral.alerts.>", cb=on_alert)
+    sub = await nc.subscribe(subjects.ALERTS_ALL, cb=on_alert)
     stop_load = asyncio.Event()
 
     async def load() -> int:
@@ -285,7 +285,7 @@ async def alert_latency(nc, n: int, rate: float, load_eps: float = 0.0) -> dict[
         interval = per / load_eps
         nxt = time.perf_counter()
         while not stop_load.is_set():
-            await js.publish("corral.audit.bench-node.sb-load", make_batch(f"load-{tag}", k, per, bad_every=0))
+            await js.publish(subjects.audit("bench-node", "sb-load"), make_batch(f"load-{tag}", k, per, bad_every=0))
             k += per
             nxt += interval
             await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
@@ -300,7 +300,7 @@ async def alert_latency(nc, n: int, rate: float, load_eps: float = 0.0) -> dict[
         ev = AuditEvent(id=f"{tag}-{i}-{event_id()}", ts=ts, node="bench-node", sandbox=sb, kind="exec", job=f"latency-{tag}",
                         cmd="cat /proc/1/environ", cwd="/", exit_code=1)
         sent[sb] = ts
-        await js.publish(f"corral.audit.bench-node.{sb}", msgspec.json.encode(AuditBatch(events=[ev])))
+        await js.publish(subjects.audit("bench-node", sb), msgspec.json.encode(AuditBatch(events=[ev])))
         await asyncio.sleep(1.0 / rate)
     try:
         await asyncio.wait_for(done.wait(), 30)

@@ -110,7 +110,7 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int, profile: str = "
         infos = [info for n in nodes for info in n.sandboxes.values()]
         missing = 0
         for j in range(0, len(infos), 5000):
-            reqs = [(f"$KV.{subjects.KV_PLACEMENTS}.{i.id}", encoder.encode(i), None) for i in infos[j:j + 5000]]
+            reqs = [(subjects.kv_key(subjects.KV_PLACEMENTS, i.id), encoder.encode(i), None) for i in infos[j:j + 5000]]
             async for _, m in sc.requests(reqs, timeout=120):
                 missing += m is None or b'"error"' in m.data
         out["live_write_failures"] = missing
@@ -121,7 +121,7 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int, profile: str = "
         while time.perf_counter() - t0 < 120:
             seen = 0
             for job in bg:
-                r = json.loads((await conns[0].request("corral.v1.quota.get", json.dumps({"job": job}).encode(), timeout=30)).data)
+                r = json.loads((await conns[0].request(subjects.QUOTA_GET, json.dumps({"job": job}).encode(), timeout=30)).data)
                 seen += r.get("used", {}).get("sandboxes", 0) if r.get("ok") else 0
             if seen >= per * n_nodes:
                 break
@@ -133,7 +133,7 @@ async def run(n_nodes: int, live: int, batch: int, rounds: int, profile: str = "
         async def on_lost(m) -> None:
             lost.append(m.subject)
 
-        await conns[0].subscribe("corral.events.node.*.lost", cb=on_lost)
+        await conns[0].subscribe(subjects.node_event("*", "lost"), cb=on_lost)
         out["scheduler_rss_mb"] = {"empty": round(rss0, 1), "with_live_state": round(rss_mb(sched_pid), 1)}
         # placements: two jobs placing batches at once
         nc = conns[0]

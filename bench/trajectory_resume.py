@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 
+from corral_common import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
 from bench._common import pyplot, save
@@ -94,7 +95,7 @@ async def run(steps: int, sizes: list[int]) -> dict:
                          "restore_first_exec_s": round(first_exec_s, 3), "read_whole_layer_s": round(read_all_s, 3)})
             for s in (sb, sb2):
                 await s.destroy()
-            msg = await c.nc.request("corral.v1.image.delete", json.dumps({"name": image}).encode(), timeout=60)
+            msg = await c.nc.request(subjects.IMAGE_DELETE, json.dumps({"name": image}).encode(), timeout=60)
             assert json.loads(msg.data)["ok"]
         out["snapshot_restore"] = rows
         await c.close()

@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+from corral_common import subjects  # noqa: E402
 from corral_common.messages import Event, Heartbeat  # noqa: E402
 from corral_sdk import AsyncClient  # noqa: E402
 from corral_sdk.stack import Stack, free_port  # noqa: E402
@@ -89,8 +90,8 @@ async def measure(pool: bool, n: int, gap: float) -> dict:
         async def on_hb(m) -> None:
             hb_box.append(msgspec.json.decode(m.data, type=Heartbeat))
 
-        await c.nc.subscribe("corral.events.sandbox.*.created", cb=on_event)
-        await c.nc.subscribe("corral.node.heartbeat", cb=on_hb)
+        await c.nc.subscribe(subjects.event("*", "created"), cb=on_event)
+        await c.nc.subscribe(subjects.NODE_HEARTBEAT, cb=on_hb)
         deadline = time.monotonic() + 60
         while pool and not (hb_box and hb_box[-1].warm.get("busybox") == 4) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -101,7 +102,7 @@ async def measure(pool: bool, n: int, gap: float) -> dict:
         lat, hit, ping = [], [], []
         for _ in range(n):
             t0 = time.perf_counter()
-            await c.nc.request("corral.node.node-1.ping", b"{}", timeout=10)
+            await c.nc.request(subjects.node_ping("node-1"), b"{}", timeout=10)
             ping.append((time.perf_counter() - t0) * 1000)
             await asyncio.sleep(0.01)
             t0 = time.perf_counter()

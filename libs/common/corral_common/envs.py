@@ -16,6 +16,7 @@ from msgspec import Meta, Struct
 from .audit import AlertSummary
 from .errors import InvalidRequest
 from .messages import LabelMap, Request
+from . import labels
 
 ENV_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 EnvName = Annotated[str, Meta(pattern=ENV_NAME_RE.pattern)]
@@ -289,6 +290,6 @@ class EnvGradeResult(Struct, kw_only=True, omit_defaults=True):
     audit_complete: bool = True  # False: some of the rollout's audit events were lost (see reason)
 
 
-ENV_LABEL = "corral.env"
-ENV_VERSION_LABEL = "corral.env_version"
+ENV_LABEL = labels.ENV  # the label keys live in labels.py; these names stay importable from here
+ENV_VERSION_LABEL = labels.ENV_VERSION
 SEVERITY_RANK = {"low": 1, "medium": 2, "high": 3, "critical": 4, "none": 99}

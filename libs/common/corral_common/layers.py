@@ -76,12 +76,7 @@ class Trace(msgspec.Struct, kw_only=True):
 
 # ---------------------------------------------------------------- the node loader's bus protocol
 
-LOADER_OPS = ("prepare", "release", "stats", "evict")
-
-
-def loader_subject(node: str, op: str) -> str:
-    """`corral.node.<node>.loader.<op>`: request/reply subjects of a node's lazy loader."""
-    return f"corral.node.{node}.loader.{op}"
+LOADER_OPS = ("prepare", "release", "stats", "evict")  # subjects.node_loader(node, op)
 
 
 class LoaderPrepare(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

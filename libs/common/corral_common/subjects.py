@@ -1,4 +1,9 @@
-"""Every NATS subject, stream and bucket name of corral, in one place."""
+"""Every NATS subject, stream and bucket name of corral, in one place.
+
+Nothing else in the tree spells a `corral.` subject (or a `$KV.` one corral builds):
+tests/unit/test_subjects_in_one_place.py fails on a literal outside this module, so a subject
+renamed here is renamed everywhere and the contract can be read off this file.
+"""
 from __future__ import annotations
 
 PREFIX = "corral.v1"
@@ -11,7 +16,6 @@ SANDBOX_RUN = f"{PREFIX}.sandbox.run"  # one-shot: create, exec once, destroy (t
 SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume", "renew", "restore",
                "changes", "audit")
 
-MONITOR_QUERY = f"{PREFIX}.monitor.query"  # read-only SQL answered by the monitor (embedded ClickHouse)
 # audit messages the monitor could not decode or kept failing on, with headers saying why
 DEADLETTER = "corral.monitor.deadletter"
 DEADLETTER_STREAM = "CORRAL_DEADLETTER"
@@ -79,25 +83,46 @@ def audit(node: str, sandbox_id: str) -> str:
 
 
 def alert(severity: str, rule: str) -> str:
-    return f"corral.alerts.{severity}.{rule}"
+    return f"{ALERTS_PREFIX}.{severity}.{rule}"
 
+
+def node_loader(node: str, op: str) -> str:
+    """`corral.node.<node>.loader.<op>`: request/reply subjects of a node's lazy loader."""
+    return f"corral.node.{node}.loader.{op}"
+
+
+# everything a stream holds; also what a watcher subscribes to see all of one kind
+EVENTS_ALL = "corral.events.>"
+SANDBOX_EVENTS_ALL = "corral.events.sandbox.>"
+NODE_EVENTS_ALL = "corral.events.node.>"
+AUDIT_ALL = "corral.audit.>"
+ALERTS_PREFIX = "corral.alerts"  # alert(severity, rule) is f"{ALERTS_PREFIX}.{severity}.{rule}"
+ALERTS_ALL = f"{ALERTS_PREFIX}.>"
+TRAJ_ALL = "corral.traj.>"
 
 STREAMS: dict[str, list[str]] = {
-    "CORRAL_EVENTS": ["corral.events.>"],
-    "CORRAL_AUDIT": ["corral.audit.>"],
-    "CORRAL_ALERTS": ["corral.alerts.>"],
-    "CORRAL_TRAJ": ["corral.traj.>"],
+    "CORRAL_EVENTS": [EVENTS_ALL],
+    "CORRAL_AUDIT": [AUDIT_ALL],
+    "CORRAL_ALERTS": [ALERTS_ALL],
+    "CORRAL_TRAJ": [TRAJ_ALL],
 }
 
-IMAGE_IMPORT = f"{PREFIX}.image.import"
-IMAGE_INSPECT = f"{PREFIX}.image.inspect"
-IMAGE_DELETE = f"{PREFIX}.image.delete"
+def image_op(op: str) -> str:
+    """`corral.v1.image.<op>`: the image-cache registry's requests (import, list, inspect, delete)."""
+    return f"{PREFIX}.image.{op}"
+
+
+IMAGE_IMPORT = image_op("import")
+IMAGE_LIST = image_op("list")
+IMAGE_INSPECT = image_op("inspect")
+IMAGE_DELETE = image_op("delete")
 
 # monitor: read-only ClickHouse SQL; its durable audit consumer (others check how far it got)
 MONITOR_QUERY = f"{PREFIX}.monitor.query"
 # evaluate one sandbox now: wait until its audit is stored, run the window rules for it, record
 # findings other services bring (the grader's), answer its alerts
 MONITOR_EVALUATE = f"{PREFIX}.monitor.evaluate"
+MONITOR_RULES = f"{PREFIX}.monitor.rules"  # the detection rules the monitor runs, with their settings
 MONITOR_AUDIT_DURABLE = "corral-monitor-audit"
 
 # env-builder
@@ -120,3 +145,12 @@ KV_PLACEMENTS = "corral_placements"
 KV_REQUESTS = "corral_requests"
 
 SCHEDULER_QUEUE = "corral-scheduler"
+# per-job quotas, answered by the scheduler
+QUOTA_SET = f"{PREFIX}.quota.set"
+QUOTA_GET = f"{PREFIX}.quota.get"
+
+
+def kv_key(bucket: str, key: str) -> str:
+    """The subject a KV bucket stores `key` under (`>`/`*` to watch): a plain publish there is a
+    put without waiting for the ack; a subscription there sees every put."""
+    return f"$KV.{bucket}.{key}"

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from corral_common.audit import Alert
+from corral_common import subjects
 
 if TYPE_CHECKING:
     from .client import AsyncClient
 
-ALERTS_PREFIX = "corral.alerts"
+ALERTS_PREFIX = subjects.ALERTS_PREFIX
 SEVERITIES = ("info", "low", "medium", "high", "critical")
 _decoder = msgspec.json.Decoder(type=Alert)
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config
+from corral_common import config, subjects
 from corral_common.errors import CorralError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="corral: sandboxes for training and evaluating AI agents")
@@ -212,7 +212,7 @@ def _image_call(op: str, body: dict, timeout: float = 600.0):
     async def go():
         c = await AsyncClient.connect(config.nats_url(None))
         try:
-            msg = await c.nc.request(f"corral.v1.image.{op}", msgspec.json.encode(body), timeout=timeout)
+            msg = await c.nc.request(subjects.image_op(op), msgspec.json.encode(body), timeout=timeout)
         finally:
             await c.close()
         r = msgspec.json.decode(msg.data)

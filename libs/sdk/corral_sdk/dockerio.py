@@ -18,7 +18,7 @@ from typing import Any
 
 import nats
 
-from corral_common import config, dockerimg
+from corral_common import config, dockerimg, subjects
 from corral_common.errors import from_code
 
 
@@ -48,7 +48,7 @@ async def import_docker_image(nats_url: str | None, docker_ref: str, name: str |
         nc = await nats.connect(config.nats_url(nats_url))
         try:
             body = {"name": name, "source": "docker_archive", "path": path, "labels": {"docker_image": docker_ref, **(labels or {})}}
-            msg = await nc.request("corral.v1.image.import", json.dumps(body).encode(), timeout=timeout)
+            msg = await nc.request(subjects.IMAGE_IMPORT, json.dumps(body).encode(), timeout=timeout)
         finally:
             await nc.close()
         r = json.loads(msg.data)

@@ -171,7 +171,7 @@ class Stack:
         port = self._mport(1)
         self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.url, "--metrics-port", str(port), *img],
                     f"http://127.0.0.1:{port}/metrics")
-        await self._wait_request("corral.v1.image.inspect", b'{"name": "busybox"}', timeout)
+        await self._wait_request(subjects.IMAGE_INSPECT, b'{"name": "busybox"}', timeout)
         port = self._mport(0)
         self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.url, "--metrics-port", str(port), *self.scheduler_args],
                     f"http://127.0.0.1:{port}/metrics")

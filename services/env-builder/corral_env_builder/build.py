@@ -8,7 +8,7 @@ import time
 
 import msgspec
 
-from corral_common import subjects
+from corral_common import subjects, labels
 from corral_common.envs import (
     ENV_LABEL, ENV_VERSION_LABEL, CheckResult, EnvBuildResult, EnvRecord, EnvSpec, ProtectedFile, VerifyReport, digest,
     spec_digest,
@@ -139,7 +139,7 @@ class Builder:
         bspec = SandboxSpec(image=spec.base_image, cpu=max(1.0, spec.limits.cpu), memory_mb=max(self.cfg.build_memory_mb, spec.limits.memory_mb),
                             disk_mb=max(self.cfg.build_disk_mb, spec.limits.disk_mb), pids_max=4096, ttl_s=min(ttl, 7 * 86400),
                             workdir=spec.workdir, job=job,
-                            labels={"corral.role": "env-build", ENV_LABEL: spec.name, "corral.build": build_id})
+                            labels={labels.ROLE: "env-build", ENV_LABEL: spec.name, labels.BUILD: build_id})
         try:
             sb = await self.client.create_spec(bspec, timeout=120, wait_for_capacity_s=verify.CAPACITY_WAIT_S)
         except NotFound as e:

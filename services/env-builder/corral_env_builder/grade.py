@@ -23,7 +23,7 @@ import time
 
 from dataclasses import dataclass
 
-from corral_common import subjects
+from corral_common import subjects, labels
 from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
 from corral_common.envs import (
     ENV_LABEL, ENV_VERSION_LABEL, SEVERITY_RANK, EnvGradeRequest, EnvGradeResult, TestOutcome,
@@ -77,7 +77,7 @@ class Grader:
                                             f"(dropped before grading): {', '.join(verdict.tampering[:5])}"))
         spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
                            pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
-                           job=info.job, labels={"corral.role": "env-grade", ENV_LABEL: rec.name, "corral.graded": req.sandbox_id})
+                           job=info.job, labels={labels.ROLE: "env-grade", ENV_LABEL: rec.name, labels.GRADED: req.sandbox_id})
         g = await self.client.create_spec(spec, wait_for_capacity_s=verify.CAPACITY_WAIT_S)
         try:
             carried, sources = await self._carry(g, verdict, taken.archives, surf)

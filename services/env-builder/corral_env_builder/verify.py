@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from corral_common.envs import CheckResult, EnvSpec, digest
 from corral_common.messages import ExecResult, SandboxSpec
+from corral_common import labels
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import gitpin, testrun, workspace
@@ -60,7 +61,7 @@ def sandbox_spec(spec: EnvSpec, image: str, role: str, job: str) -> SandboxSpec:
     lim = spec.limits
     return SandboxSpec(image=image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
                        ttl_s=max(600.0, spec.test_timeout_s * 4), workdir=spec.workdir, job=job,
-                       labels={"corral.role": role, "corral.env": spec.name})
+                       labels={labels.ROLE: role, labels.ENV: spec.name})
 
 
 async def apply_solution(sb: AsyncSandbox, spec: EnvSpec) -> None:

@@ -13,7 +13,7 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, subjects
 from corral_common.errors import InvalidRequest, NotFound
 from corral_common.layers import (
     Catalog, ChunkBackend, ImageManifest, ImportRequest, LayerManifest, LayerSummary, NameRequest, backend_from_url,
@@ -29,7 +29,6 @@ IMPORTS = metrics.counter("corral_image_imports_total", "Images imported", ("sou
 UPLOADED = metrics.counter("corral_image_uploaded_bytes_total", "Chunk bytes uploaded (after dedup)")
 IMAGES = metrics.gauge("corral_images", "Images in the catalog")
 
-SUBJECT = "corral.v1.image"
 
 
 class ImageCacheConfig(msgspec.Struct, kw_only=True):
@@ -61,10 +60,10 @@ class ImageCache:
             await self._ensure_builtin(name, build=(name == "busybox"))
         self.responder = bus.Responder(self.nc, "image-cache")
         q = "corral-image-cache"
-        await self.responder.serve(f"{SUBJECT}.import", self._on_import, "import", queue=q)
-        await self.responder.serve(f"{SUBJECT}.list", self._on_list, "list", queue=q)
-        await self.responder.serve(f"{SUBJECT}.inspect", self._on_inspect, "inspect", queue=q)
-        await self.responder.serve(f"{SUBJECT}.delete", self._on_delete, "delete", queue=q)
+        await self.responder.serve(subjects.IMAGE_IMPORT, self._on_import, "import", queue=q)
+        await self.responder.serve(subjects.IMAGE_LIST, self._on_list, "list", queue=q)
+        await self.responder.serve(subjects.IMAGE_INSPECT, self._on_inspect, "inspect", queue=q)
+        await self.responder.serve(subjects.IMAGE_DELETE, self._on_delete, "delete", queue=q)
         metrics.UP.labels("image-cache").set(1)
         IMAGES.set(len(await self.catalog.image_names()))
         logs.kv(log, logging.INFO, "image-cache ready", metrics=self.metrics_url, images=await self.catalog.image_names())

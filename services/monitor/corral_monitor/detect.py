@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from corral_common import metrics
+from corral_common import metrics, labels
 from corral_common.audit import Alert, AuditEvent
 
 from .alerts import AlertManager, alert_id
@@ -154,8 +154,8 @@ class Detector:
             if not row.sandbox:
                 continue
             detail = getattr(ev, "detail", {}) or {}
-            prot = _as_list(detail.get("protected_paths")) + _split(row.labels.get("corral.protected_paths", ""))
-            can = _as_list(detail.get("canaries")) + _split(row.labels.get("corral.canaries", ""))
+            prot = _as_list(detail.get("protected_paths")) + _split(row.labels.get(labels.PROTECTED_PATHS, ""))
+            can = _as_list(detail.get("canaries")) + _split(row.labels.get(labels.CANARIES, ""))
             if prot or can:
                 self.ctx.learn(row.sandbox, prot, can)
         if len(self.ctx.protected_by_sandbox) > 100_000:

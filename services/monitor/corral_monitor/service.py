@@ -26,7 +26,7 @@ from .watermark import Watermark
 log = logging.getLogger("corral.monitor")
 
 QUERY_SUBJECT = subjects.MONITOR_QUERY
-RULES_SUBJECT = "corral.v1.monitor.rules"
+RULES_SUBJECT = subjects.MONITOR_RULES
 QUEUE = "corral-monitor"
 AUDIT_DURABLE = "corral-monitor-audit"
 EVENTS_DURABLE = "corral-monitor-events"
@@ -84,12 +84,12 @@ class Monitor:
         ack_wait_s = max(cfg.ack_wait_s, min_ack_wait(commit_s))
         if ack_wait_s > cfg.ack_wait_s:
             logs.kv(log, logging.WARNING, "ack wait raised above the commit interval", ack_wait_s=ack_wait_s, commit_ms=cfg.commit_ms)
-        audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, "corral.audit.>",
+        audit = PullConsumer(self.js, "CORRAL_AUDIT", AUDIT_DURABLE, subjects.AUDIT_ALL,
                              AuditIngest(store, dead, detector.on_events, Fault(cfg.fault), detector.store_alerts),
                              batch=cfg.batch, workers=cfg.workers, ack_wait_s=ack_wait_s, commit_s=commit_s,
                              commit_bytes=int(cfg.commit_mb * 1024 * 1024), watermark=stored,
                              on_poison=lambda m, err: dead.put("CORRAL_AUDIT", m, m.data, "unprocessable", err))
-        events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, "corral.events.>",
+        events = PullConsumer(self.js, "CORRAL_EVENTS", EVENTS_DURABLE, subjects.EVENTS_ALL,
                               EventIngest(store, dead, detector.on_lifecycle), batch=cfg.batch, workers=1,
                               ack_wait_s=ack_wait_s, commit_s=commit_s,
                               on_poison=lambda m, err: dead.put("CORRAL_EVENTS", m, m.data, "unprocessable", err))

@@ -262,7 +262,7 @@ class NodeAgent:
         warned = False
         while not await self.layers.ping():
             if time.monotonic() > deadline:
-                raise SystemExit(f"no image loader answers on corral.node.{self.node}.loader.*: start "
+                raise SystemExit(f"no image loader answers on {subjects.node_loader(self.node, '*')}: start "
                                  f"`corral image-loader --node {self.node}` (corral up does)")
             if not warned:
                 logs.kv(log, logging.WARNING, "waiting for the node's image loader", node=self.node)

@@ -15,7 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from corral_common import linux
+from corral_common import linux, subjects
 from corral_common.errors import Unavailable, from_code
 from corral_common.layers import Catalog
 from corral_common.messages import encoder
@@ -44,7 +44,7 @@ class LayerMounts:
         return os.path.join(self.root, digest[len("sha256-"):][:24])
 
     async def _loader(self, op: str, body: dict, timeout: float | None = None) -> _Reply:
-        subject = f"corral.node.{self.node}.loader.{op}"
+        subject = subjects.node_loader(self.node, op)
         try:
             msg = await self.nc.request(subject, encoder.encode(body), timeout=timeout or self.loader_timeout_s)
         except NoRespondersError:

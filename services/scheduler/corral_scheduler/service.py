@@ -33,8 +33,8 @@ REJECTIONS = metrics.counter("corral_scheduler_rejections_total", "Create reques
 BATCH_SECONDS = metrics.histogram("corral_scheduler_batch_seconds", "Time to place a create_batch")
 NODES_ALIVE = metrics.gauge("corral_scheduler_nodes_alive", "Nodes with a recent heartbeat")
 PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
-QUOTA_SET = "corral.v1.quota.set"
-QUOTA_GET = "corral.v1.quota.get"
+QUOTA_SET = subjects.QUOTA_SET
+QUOTA_GET = subjects.QUOTA_GET
 
 
 class QuotaSetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -188,7 +188,7 @@ class Scheduler:
             self.kv_node_put[hb.node] = now
             try:  # a plain publish into the bucket's stream: waiting for each ack here would queue
                 # the heartbeats behind KV round trips until nodes looked stale (and were declared lost)
-                await self.nc.publish(f"$KV.{subjects.KV_NODES}.{hb.node}", msg.data)
+                await self.nc.publish(subjects.kv_key(subjects.KV_NODES, hb.node), msg.data)
             except Exception:
                 pass
 

@@ -9,7 +9,7 @@ import traceback
 
 import typer
 
-from corral_common import config, logs
+from corral_common import config, logs, subjects
 
 app = typer.Typer(add_completion=False)
 
@@ -17,7 +17,7 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
-    node: str = typer.Option(..., help="node name: serves corral.node.<node>.loader.*"),
+    node: str = typer.Option(..., help=f"node name: serves {subjects.node_loader('<node>', '*')}"),
     mount: str = typer.Option(..., help="FUSE mount point presenting <mount>/<layer digest>"),
     cache_dir: str = typer.Option(..., help="node cache: per layer a sparse data file and a chunk bitmap"),
     cache_max_mb: int = typer.Option(0, help="cache size cap; unused layers are evicted LRU (0: no cap)"),

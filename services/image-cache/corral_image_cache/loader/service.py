@@ -28,7 +28,7 @@ from corral_common.audit import AuditBatch, AuditEvent, event_id
 from corral_common.errors import Conflict, CorralError, Internal, InvalidRequest, NotFound
 from corral_common.layers import (
     DIGEST, Catalog, LayerManifest, LoaderEvict, LoaderPrepare, LoaderRelease, Trace, TraceRead, backend_from_url,
-    check_image_name, loader_subject,
+    check_image_name,
 )
 from corral_common.messages import encoder, ok
 
@@ -149,7 +149,7 @@ class Loader:
         self.responder = bus.Responder(self.nc, "loader")
         for op, handler in (("prepare", self._on_prepare), ("release", self._on_release), ("stats", self._on_stats),
                             ("evict", self._on_evict)):
-            await self.responder.serve(loader_subject(self.node, op), handler, f"loader.{op}")
+            await self.responder.serve(subjects.node_loader(self.node, op), handler, f"loader.{op}")
         if self.cfg.background_fill_after_s > 0:
             self._spawn(self._fill_loop())
         metrics.UP.labels("loader").set(1)

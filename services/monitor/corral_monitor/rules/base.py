@@ -13,13 +13,14 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from corral_common.audit import AuditEvent, Severity
+from corral_common import labels
 
 from . import shell
 from .shell import Simple
 
 # labels a SandboxSpec can carry to tell the monitor about the sandbox's secrets
-LABEL_PROTECTED = "corral.protected_paths"
-LABEL_CANARIES = "corral.canaries"
+LABEL_PROTECTED = labels.PROTECTED_PATHS
+LABEL_CANARIES = labels.CANARIES
 
 # hidden tests, answer keys and reference solutions, wherever a task harness leaves them
 SECRET_PATH = re.compile(

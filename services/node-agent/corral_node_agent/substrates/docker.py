@@ -49,7 +49,8 @@ from typing import Any
 
 import msgspec
 
-from corral_common import dockerimg
+from corral_common import dockerimg, subjects
+from corral_common.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE, DOCKER_USER_PREFIX
 from corral_common.errors import Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Unavailable
 from corral_common.layers import check_image_name
 from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
@@ -122,8 +123,8 @@ class DockerSubstrate(Substrate):
         os.makedirs(self.dir, exist_ok=True)
 
     def _labels(self, sid: str, spec: SandboxSpec) -> dict[str, str]:
-        return {"corral.node": self.node, "corral.state": self.tag, "corral.sandbox": sid, "corral.job": spec.job,
-                **{f"corral.label.{k}": v for k, v in spec.labels.items()}}
+        return {DOCKER_NODE: self.node, DOCKER_STATE: self.tag, DOCKER_SANDBOX: sid, DOCKER_JOB: spec.job,
+                **{f"{DOCKER_USER_PREFIX}{k}": v for k, v in spec.labels.items()}}
 
     # ------------------------------------------------------------------ images
 
@@ -572,7 +573,7 @@ class DockerSubstrate(Substrate):
             body = {"name": name, "source": "docker_archive", "path": path,
                     "labels": {**labels, "snapshot_of": sb.id, "docker_image": ref}}
             try:
-                msg = await self.layers.nc.request("corral.v1.image.import", json.dumps(body).encode(), timeout=900)
+                msg = await self.layers.nc.request(subjects.IMAGE_IMPORT, json.dumps(body).encode(), timeout=900)
             except Exception as e:
                 raise Unavailable(f"committed {sb.id} as Docker image {ref}, but the image-cache did not import it: {e}") from None
             r = json.loads(msg.data)
@@ -592,12 +593,12 @@ class DockerSubstrate(Substrate):
     async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
         report = AdoptReport()
         adopted: list[Sandbox] = []
-        filters = json.dumps({"label": [f"corral.node={self.node}", f"corral.state={self.tag}"]})
+        filters = json.dumps({"label": [f"{DOCKER_NODE}={self.node}", f"{DOCKER_STATE}={self.tag}"]})
         containers = await self.docker.containers.list(all=True, filters=filters)
         seen: set[str] = set()
         for c in containers:
             labels = c._container.get("Labels") or {}
-            sid = labels.get("corral.sandbox", "")
+            sid = labels.get(DOCKER_SANDBOX, "")
             seen.add(sid)
             sdir = f"{self.dir}/{sid}"
             rec = load_record(f"{sdir}/sandbox.json", Record)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from corral_common import linux, metrics
+from corral_common import linux, metrics, subjects
 from corral_common.errors import Internal, InvalidRequest, Unavailable
 from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
@@ -141,7 +141,7 @@ class FunctionSubstrate(ContainerSubstrate):
     # ------------------------------------------------------------------ not a long-lived sandbox
 
     async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
-        raise InvalidRequest("substrate 'function' is one-shot: run a command with corral.v1.sandbox.run "
+        raise InvalidRequest(f"substrate 'function' is one-shot: run a command with {subjects.SANDBOX_RUN} "
                              "(SDK client.run / client.call); for a sandbox that stays, use substrate 'container' or 'docker'")
 
     # ------------------------------------------------------------------ one-shot run
