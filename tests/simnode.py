@@ -173,7 +173,7 @@ class SimNode:
         if self.scatter is None:
             self.scatter = await bus.Scatter(self.nc).start()
         hdr = {"Nats-Expected-Last-Subject-Sequence": "0"}
-        reqs = [(f"$KV.{subjects.KV_PLACEMENTS}.{i.id}", encoder.encode(i), hdr) for i in infos]
+        reqs = [(subjects.kv_key(subjects.KV_PLACEMENTS, i.id), encoder.encode(i), hdr) for i in infos]
         out: list[BaseException | None] = [None] * len(infos)
         again = []
         async for k, msg in self.scatter.requests(reqs, timeout=10.0):

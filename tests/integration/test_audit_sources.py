@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 
 from corral_common.audit import Alert, AuditBatch, AuditEvent
+from corral_common import subjects
 from corral_sdk import Forbidden
 
 from .. import hostview
@@ -46,8 +47,8 @@ class Watch:
             if a.sandbox == self.sid:
                 self.alerts.append(a)
 
-        self.subs = [await js.subscribe(f"corral.audit.{self.node}.{self.sid}", cb=on_audit, ordered_consumer=True),
-                     await self.nc.subscribe("corral.alerts.>", cb=on_alert)]
+        self.subs = [await js.subscribe(subjects.audit(self.node, self.sid), cb=on_audit, ordered_consumer=True),
+                     await self.nc.subscribe(subjects.ALERTS_ALL, cb=on_alert)]
         return self
 
     async def __aexit__(self, *exc):
@@ -100,7 +101,7 @@ async def import_protected_image(url: str) -> str:
             f.write(text)
     conn = await nats.connect(url)
     try:
-        msg = await conn.request("corral.v1.image.import", json.dumps(
+        msg = await conn.request(subjects.IMAGE_IMPORT, json.dumps(
             {"name": "t-audit-protected", "source": "dir", "path": d, "base": "busybox"}).encode(), timeout=120)
         r = json.loads(msg.data)
         assert r["ok"] is True, r

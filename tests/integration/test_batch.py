@@ -78,7 +78,7 @@ async def test_batch_of_5000_over_simulated_nodes_with_progress_events(bus):
     async def on(m):
         events.append((m.subject.rsplit(".", 1)[1], json.loads(m.data)))
 
-    await nc.subscribe(f"corral.events.batch.{bid}.*", cb=on)
+    await nc.subscribe(subjects.batch_event(bid, "*"), cb=on)
     body = {"spec": {"cpu": 0.01, "memory_mb": 16, "job": job, "request_id": job}, "count": 5000, "batch_id": bid}
     r = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
     assert r["ok"] and r["batch_id"] == bid and r["failed"] == [], r.get("error")
@@ -109,7 +109,7 @@ async def test_batch_of_5000_over_simulated_nodes_with_progress_events(bus):
     assert sum(n.batches for n in nodes) == asked and len(held_by(nodes, job)) == 5000
     listed = await call(nc, subjects.SANDBOX_LIST, {"job": job})
     assert len(listed["sandboxes"]) == 5000
-    used = await call(nc, "corral.v1.quota.get", {"job": job})
+    used = await call(nc, subjects.QUOTA_GET, {"job": job})
     assert used["used"]["sandboxes"] == 5000  # counted once, though seen in replies and in KV
 
 
@@ -163,7 +163,7 @@ async def test_bad_input_is_explained(bus):
     r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.1, "memory_mb": 16}, "count": 2, "batch_id": "no spaces"})
     assert r["error"]["code"] == "invalid_request" and "batch_id" in r["error"]["message"]
     job = f"bq-{uuid.uuid4().hex[:6]}"
-    await call(nc, "corral.v1.quota.set", {"job": job, "sandboxes": 10})
+    await call(nc, subjects.QUOTA_SET, {"job": job, "sandboxes": 10})
     r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.1, "memory_mb": 16, "job": job}, "count": 11})
     assert r["error"]["code"] == "capacity" and "quota of 10" in r["error"]["message"] and r["error"]["retry_after_s"] > 0
     # a retried batch does not count its own sandboxes against the quota a second time
@@ -174,9 +174,9 @@ async def test_bad_input_is_explained(bus):
     r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {**body, "count": 12})
     assert r["error"]["code"] == "conflict" and "batch of 10" in r["error"]["message"]
     # an unknown job
-    r = await call(nc, "corral.v1.quota.get", {"job": f"nobody-{uuid.uuid4().hex[:6]}"})
+    r = await call(nc, subjects.QUOTA_GET, {"job": f"nobody-{uuid.uuid4().hex[:6]}"})
     assert r["ok"] is False and r["error"]["code"] == "not_found" and "unknown" in r["error"]["message"]
-    assert (await call(nc, "corral.v1.quota.get", {"job": job}))["used"]["sandboxes"] == 10
+    assert (await call(nc, subjects.QUOTA_GET, {"job": job}))["used"]["sandboxes"] == 10
 
 
 async def test_same_request_id_with_another_spec_is_a_conflict(bus):
@@ -307,7 +307,7 @@ async def test_replica_killed_mid_batch_loses_nothing_and_doubles_nothing():
         assert set(ids) <= keys
         listed = await call(nc, subjects.SANDBOX_LIST, {"job": rid})
         assert sorted(s["id"] for s in listed["sandboxes"]) == ids
-        used = await call(nc, "corral.v1.quota.get", {"job": rid})
+        used = await call(nc, subjects.QUOTA_GET, {"job": rid})
         assert used["used"]["sandboxes"] == count
         # and once more, now that everything is settled: the same answer, nothing new
         again = json.loads((await nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=60)).data)
@@ -349,7 +349,7 @@ async def test_node_batch_request_answers_per_item(nc):
         with pytest.raises(Exception):
             await kv.get(ids[1])  # the refused item's claim is gone
         for sid in (ids[0], ids[2]):
-            e = await call(nc, f"corral.v1.sandbox.{sid}.exec", {"cmd": "echo hi"})
+            e = await call(nc, subjects.sandbox_op(sid, "exec"), {"cmd": "echo hi"})
             assert e["result"]["stdout"] == "hi\n"
         again = await call(nc, subjects.node_create_batch("node-1"), {"items": [items[0], items[2]]})
         assert [x["sandbox"]["created_at"] for x in again["results"]] == [res[0]["sandbox"]["created_at"], res[2]["sandbox"]["created_at"]]
@@ -357,5 +357,5 @@ async def test_node_batch_request_answers_per_item(nc):
         assert bad["ok"] is False and bad["error"]["code"] == "invalid_request"
     finally:
         for sid in (ids[0], ids[2]):
-            await call(nc, f"corral.v1.sandbox.{sid}.destroy", {})
+            await call(nc, subjects.sandbox_op(sid, "destroy"), {})
         await kv.delete(ids[3])

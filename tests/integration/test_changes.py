@@ -15,6 +15,7 @@ import pytest
 from corral_common.audit import AuditBatch, AuditEvent, event_id
 from corral_common.errors import InvalidRequest, NotFound
 from corral_common.messages import ChangesReply
+from corral_common import subjects
 
 
 def _members(reply: ChangesReply) -> dict[str, tuple[tarfile.TarInfo, bytes | None]]:
@@ -150,11 +151,11 @@ async def test_audit_state_covers_the_stream(client, nc):
         st = await sb.audit_state()
         assert st.last_seq > 0 and st.published > 0 and st.lost == 0 and not st.reasons
         js = nc.jetstream()
-        last = await js.get_last_msg("CORRAL_AUDIT", f"corral.audit.{sb.info.node}.{sb.id}")
+        last = await js.get_last_msg("CORRAL_AUDIT", subjects.audit(sb.info.node, sb.id))
         assert last.seq <= st.last_seq
         # everything up to last_seq is there: the exec event among it, nothing of ours after it
         events = []
-        sub = await js.subscribe(f"corral.audit.{sb.info.node}.{sb.id}", ordered_consumer=True)
+        sub = await js.subscribe(subjects.audit(sb.info.node, sb.id), ordered_consumer=True)
         try:
             while True:
                 try:
@@ -191,7 +192,7 @@ async def test_audit_log_counts_losses_per_sandbox_and_publishes_them(nc):
     sa, sb_ = await log.sync(a), await log.sync(b)
     assert sa.lost == 7 and sa.reasons == [BUFFER_FULL] and sa.published == 1 and sa.last_seq > 0
     assert sb_.lost == 0 and not sb_.reasons and sb_.published == 3
-    last = await js.get_last_msg("CORRAL_AUDIT", f"corral.audit.node-t.{a}")
+    last = await js.get_last_msg("CORRAL_AUDIT", subjects.audit("node-t", a))
     assert last.seq == sa.last_seq
     ev = msgspec.json.decode(last.data, type=AuditBatch).events
     assert [(e.kind, e.detail) for e in ev] == [("loss", {"reason": BUFFER_FULL, "count": "7"})]
@@ -232,7 +233,7 @@ async def test_a_sandbox_adopted_by_a_restarted_agent_reports_an_audit_gap():
 
             after = await sb.audit_state()
             assert after.lost >= 1 and "node-agent restarted" in after.reasons, after
-            last = await nc.jetstream().get_last_msg("CORRAL_AUDIT", f"corral.audit.{node}.{sb.id}")
+            last = await nc.jetstream().get_last_msg("CORRAL_AUDIT", subjects.audit(node, sb.id))
             assert last.seq <= after.last_seq
             losses = [e for e in msgspec.json.decode(last.data, type=AuditBatch).events if e.kind == "loss"]
             assert losses and losses[0].detail["reason"] == "node-agent restarted"
@@ -262,7 +263,7 @@ async def test_rate_limited_file_events_are_a_loss_the_audit_state_reports_at_on
             st = await sb.audit_state()
             assert st.lost > 0 and set(st.reasons) & {"file events rate-limited", "fanotify queue overflow"}, st
             events = []
-            sub = await nc.jetstream().subscribe(f"corral.audit.{sb.info.node}.{sb.id}", ordered_consumer=True)
+            sub = await nc.jetstream().subscribe(subjects.audit(sb.info.node, sb.id), ordered_consumer=True)
             try:
                 while True:
                     try:

@@ -15,6 +15,7 @@ from corral_sdk import AsyncClient
 
 from ..conftest import make_stack, running_stack
 from ..leaks import assert_clean, cgroup_parent, cgroups_under, mounts_under
+from corral_common import subjects
 
 
 async def _wait_node(url: str, node: str, timeout: float = 30) -> None:
@@ -24,7 +25,7 @@ async def _wait_node(url: str, node: str, timeout: float = 30) -> None:
         deadline = loop.time() + timeout
         while loop.time() < deadline:
             try:
-                await nc.request(f"corral.node.{node}.ping", b"{}", timeout=1)
+                await nc.request(subjects.node_ping(node), b"{}", timeout=1)
                 return
             except Exception:
                 await asyncio.sleep(0.2)
@@ -61,7 +62,7 @@ async def test_kill9_node_agent_then_restart():
         async def on_msg(m) -> None:
             got.append((m.subject, json.loads(m.data)))
 
-        await nc.subscribe("corral.events.>", cb=on_msg)
+        await nc.subscribe(subjects.EVENTS_ALL, cb=on_msg)
         stack.restart(node)
         await _wait_node(stack.url, node)
         await asyncio.sleep(1.0)
@@ -73,7 +74,7 @@ async def test_kill9_node_agent_then_restart():
         assert ready and "adopted" in ready[0]["reason"]
 
         # the fake leftover and (after its ttl) the expired sandbox are gone, with events saying so
-        reconciled = [e for s, e in got if s == f"corral.events.node.{node}.reconciled"]
+        reconciled = [e for s, e in got if s == subjects.node_event(node, "reconciled")]
         assert reconciled and "sb-deadbeef0000" in reconciled[0]["cleaned"], got
         assert not os.path.exists(fake)
         assert not mounts_under(fake)
@@ -97,7 +98,7 @@ async def test_sandbox_that_dies_on_its_own_is_reported_and_cleaned(stack, clien
     async def on_msg(m) -> None:
         got.append(json.loads(m.data))
 
-    await nc.subscribe("corral.events.sandbox.>", cb=on_msg)
+    await nc.subscribe(subjects.SANDBOX_EVENTS_ALL, cb=on_msg)
     try:
         sb = await client.create(image="busybox", cpu=0.1, memory_mb=32)
         sdir = f"{stack.data_dir}/nodes/node-1/sandboxes/{sb.id}"
@@ -177,7 +178,7 @@ async def test_node_declared_lost_while_alive_keeps_its_sandboxes():
 
         async def on_msg(m) -> None:
             got.append((m.subject, json.loads(m.data)))
-            if m.subject == f"corral.events.node.{node}.lost":
+            if m.subject == subjects.node_event(node, "lost"):
                 for sid in ids:
                     try:
                         await kv.get(sid)
@@ -185,7 +186,7 @@ async def test_node_declared_lost_while_alive_keeps_its_sandboxes():
                     except Exception:
                         at_lost[sid] = False
 
-        await nc.subscribe("corral.events.>", cb=on_msg)
+        await nc.subscribe(subjects.EVENTS_ALL, cb=on_msg)
         agent = stack.proc(node).popen
         os.kill(agent.pid, signal.SIGSTOP)
         try:
@@ -199,7 +200,7 @@ async def test_node_declared_lost_while_alive_keeps_its_sandboxes():
                 return not ids & {i.id for i in await c.list()}
 
             await _until(unlisted, what="the sandboxes to drop out of the list")
-            lost = {e["sandbox_id"] for s, e in got if s.startswith("corral.events.sandbox.") and e.get("kind") == "lost"}
+            lost = {e["sandbox_id"] for s, e in got if s.startswith(subjects.SANDBOX_EVENTS_ALL.removesuffix(">")) and e.get("kind") == "lost"}
             assert lost == ids
         finally:
             os.kill(agent.pid, signal.SIGCONT)
@@ -246,10 +247,10 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
             if m.data and json.loads(m.data).get("state") == "creating":
                 creating.append(m.subject.rsplit(".", 1)[1])
 
-        await nc.subscribe("$KV.corral_placements.>", cb=on_kv)
+        await nc.subscribe(subjects.kv_key(subjects.KV_PLACEMENTS, ">"), cb=on_kv)
         ids = [f"sb-{secrets.token_hex(6)}" for _ in range(12)]
         body = {"items": [{"sandbox_id": sid, "spec": {"image": "busybox", "cpu": 0.05, "memory_mb": 32}} for sid in ids]}
-        call = asyncio.ensure_future(nc.request(f"corral.node.{node}.create_batch", json.dumps(body).encode(), timeout=60))
+        call = asyncio.ensure_future(nc.request(subjects.node_create_batch(node), json.dumps(body).encode(), timeout=60))
 
         async def claimed() -> bool:
             return bool(creating)
@@ -283,7 +284,7 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
         async def on_ev(m) -> None:
             got.append(json.loads(m.data))
 
-        await nc.subscribe("corral.events.sandbox.>", cb=on_ev)
+        await nc.subscribe(subjects.SANDBOX_EVENTS_ALL, cb=on_ev)
         stack.restart(node)
         await _wait_node(stack.url, node)
 

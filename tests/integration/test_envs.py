@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from corral_common import subjects
+from corral_common import subjects, labels
 from corral_common.envs import EnvSpec, GitPin, Solution
 from corral_common.errors import Conflict, InvalidRequest, NotFound
 from corral_sdk import demo_env
@@ -74,7 +74,7 @@ async def test_rollouts_graded_by_hidden_tests(client, demo):
     # running the visible tests left byte code behind: not carried, and said so
     assert any("__pycache__" in p for p in g1.discarded) and "/repo/calc/stats.py" not in g1.discarded
     # grading left no snapshot images behind, and the rollouts are gone
-    r = await client.request("corral.v1.image.list", b"{}", 30, raw=True)
+    r = await client.request(subjects.IMAGE_LIST, b"{}", 30, raw=True)
     assert not [i for i in r.raw["images"] if i["name"].startswith("grade-")]
     with pytest.raises(NotFound):
         await honest.refresh()
@@ -205,7 +205,7 @@ async def test_malformed_specs_get_clear_errors(client, nc):
     with pytest.raises(NotFound):
         await client.envs.grade("sb-doesnotexist")
     plain = await client.create(image="busybox", memory_mb=64)
-    with pytest.raises(InvalidRequest, match="corral.env"):
+    with pytest.raises(InvalidRequest, match=labels.ENV):
         await client.envs.grade(plain)
     await plain.destroy()
 

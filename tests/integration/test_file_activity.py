@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from .test_audit_sources import Watch
+from corral_common import subjects
 
 
 def _ops(w: Watch) -> set[tuple[str, str]]:
@@ -168,7 +169,7 @@ async def test_a_one_shot_run_has_file_activity_too(client, nc, substrate):
     async def on_audit(msg) -> None:
         events.extend(e for e in msgspec.json.decode(msg.data, type=AuditBatch).events if e.job == job)
 
-    sub = await nc.jetstream().subscribe("corral.audit.*.*", cb=on_audit, ordered_consumer=True,
+    sub = await nc.jetstream().subscribe(subjects.audit("*", "*"), cb=on_audit, ordered_consumer=True,
                                          config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW))
     try:
         r = await client.run("echo hi > /tmp/one-shot.txt && cat /etc/passwd >/dev/null && rm /etc/group && echo done",

@@ -11,10 +11,11 @@ import tempfile
 import pytest
 
 from corral_common.layers import KV_IMAGES
+from corral_common import subjects
 
 
 async def call(nc, op: str, body: dict, timeout: float = 120) -> dict:
-    msg = await nc.request(f"corral.v1.image.{op}", json.dumps(body).encode(), timeout=timeout)
+    msg = await nc.request(subjects.image_op(op), json.dumps(body).encode(), timeout=timeout)
     return json.loads(msg.data)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 from .test_audit_sources import Watch
+from corral_common import subjects
 
 PY = "debian"
 
@@ -119,7 +120,7 @@ async def test_retried_audit_batches_are_stored_once(nc):
     log.retry.append((sid, sent))  # as if the ack of that publish had timed out
     await log.flush()
     assert not log.retry
-    sub = await js.subscribe(f"corral.audit.node-t.{sid}", ordered_consumer=True)
+    sub = await js.subscribe(subjects.audit("node-t", sid), ordered_consumer=True)
     got = []
     try:
         while True:
@@ -151,7 +152,7 @@ async def test_audit_log_publishes_on_a_timer_not_per_event(nc):
     async def on_msg(m) -> None:
         got.append((time.monotonic(), [e.cmd for e in msgspec.json.decode(m.data, type=AuditBatch).events]))
 
-    sub = await js.subscribe(f"corral.audit.node-t.{sid}", cb=on_msg, ordered_consumer=True)
+    sub = await js.subscribe(subjects.audit("node-t", sid), cb=on_msg, ordered_consumer=True)
     log = AuditLog(js, "node-t", interval_s=0.3)
     log.start()
     try:

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from corral_common.layers import CHUNK_BUCKET, Catalog
+from corral_common import subjects
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),
                                 reason="needs root, mkfs.erofs and /dev/fuse")
@@ -28,23 +29,23 @@ async def call(nc, subject: str, body: dict, timeout: float = 120) -> dict:
 
 
 async def loader(nc, op: str, body: dict | None = None) -> dict:
-    r = await call(nc, f"corral.node.{NODE}.loader.{op}", body or {})
+    r = await call(nc, subjects.node_loader(NODE, op), body or {})
     assert r["ok"] is True, r
     return r
 
 
 async def import_dir(nc, name: str, path: str, base: str = "busybox") -> tuple[dict, dict]:
     """(image manifest, summary of its new top layer)"""
-    r = await call(nc, "corral.v1.image.import", {"name": name, "source": "dir", "path": path, "base": base}, timeout=300)
+    r = await call(nc, subjects.IMAGE_IMPORT, {"name": name, "source": "dir", "path": path, "base": base}, timeout=300)
     assert r["ok"] is True, r
     assert len(r["layers"]) == 1 and r["image"]["layers"][-1] == r["layers"][0]["digest"]
     return r["image"], r["layers"][0]
 
 
 async def delete_image(nc, name: str, digest: str) -> None:
-    r = await call(nc, "corral.v1.image.delete", {"name": name})
+    r = await call(nc, subjects.IMAGE_DELETE, {"name": name})
     assert r["ok"] is True, r
-    await call(nc, f"corral.node.{NODE}.loader.evict", {"layer": digest})  # not_found is fine too
+    await call(nc, subjects.node_loader(NODE, "evict"), {"layer": digest})  # not_found is fine too
 
 
 def layer_mountpoint(stack, digest: str) -> str:

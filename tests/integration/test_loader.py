@@ -28,6 +28,7 @@ from nats.js.api import DeliverPolicy
 from corral_common.audit import AuditBatch
 from corral_common.bus import ensure_streams
 from corral_common.layers import Catalog, DirBackend, ImageManifest, LayerManifest, ObjectStoreBackend, build_layer
+from corral_common import subjects
 from corral_sdk.stack import free_port, nats_server_binary
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),
@@ -113,7 +114,7 @@ class LoaderProc:
 
     async def request(self, op: str, body, timeout: float = 10.0) -> dict:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        msg = await self.env.nc.request(f"corral.node.{self.node}.loader.{op}", data, timeout=timeout)
+        msg = await self.env.nc.request(subjects.node_loader(self.node, op), data, timeout=timeout)
         return json.loads(msg.data)
 
     async def call(self, op: str, body) -> dict:
@@ -198,7 +199,7 @@ async def read_all(root: str, names, workers: int = 1) -> dict[str, str | OSErro
 
 
 async def audit_events(env: Env, node: str, want: int = 1, timeout: float = 5.0) -> list:
-    sub = await env.js.subscribe(f"corral.audit.{node}.loader", ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    sub = await env.js.subscribe(subjects.audit(node, "loader"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
     events = []
     deadline = time.monotonic() + timeout
     try:

@@ -27,7 +27,7 @@ import nats
 import pytest
 import pytest_asyncio
 
-from corral_common import subjects
+from corral_common import subjects, labels
 from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
 
 from ..conftest import running_stack
@@ -129,10 +129,10 @@ SCENARIOS = [
     Scenario(rule="git_history_mining", image="debian", git=True, cmd="cd /repo && git fsck --lost-found"),
     Scenario(rule="git_history_mining", image="debian", git=True, cmd="git -C /repo rev-list --all"),
     # hidden tests, answers, protected paths, canaries
-    Scenario(rule="protected_path_read", cmd="cat /srv/hidden/test_secret.py", labels={"corral.protected_paths": "/srv/hidden"},
+    Scenario(rule="protected_path_read", cmd="cat /srv/hidden/test_secret.py", labels={labels.PROTECTED_PATHS: "/srv/hidden"},
              files={"/srv/hidden/test_secret.py": "def test_secret(): assert True\n"}),
     Scenario(rule="protected_path_read", cmd="cat /task/answers.json", files={"/task/answers.json": '{"answer": 42}\n'}),
-    Scenario(rule="canary_read", cmd="cat /var/lib/mgmt/notes.txt", labels={"corral.canaries": "/var/lib/mgmt/notes.txt"},
+    Scenario(rule="canary_read", cmd="cat /var/lib/mgmt/notes.txt", labels={labels.CANARIES: "/var/lib/mgmt/notes.txt"},
              files={"/var/lib/mgmt/notes.txt": "leftover: the answer is 42\n"}),
     # test tampering
     Scenario(rule="test_tampering", cmd="sed -i 's/assert 0/assert 1/' /work/tests/test_a.py", files={"/work/tests/test_a.py": "def test_a():\n    assert 0\n"}),
@@ -189,7 +189,7 @@ async def bus_alerts(stack):
     async def on_msg(msg) -> None:
         got.append((msg.subject, msgspec.json.decode(msg.data, type=Alert)))
 
-    sub = await conn.subscribe("corral.alerts.>", cb=on_msg)
+    sub = await conn.subscribe(subjects.ALERTS_ALL, cb=on_msg)
     yield got
     await sub.unsubscribe()
     await conn.close()
@@ -234,7 +234,7 @@ async def test_scenario_corpus_raises_the_right_alerts(client, stack, bus_alerts
             # the subject is corral.alerts.<severity>.<rule>; alerts carry job, node and evidence
             for subj, a in bus_alerts:
                 if (a.rule, a.sandbox) in want:
-                    assert subj == f"corral.alerts.{a.severity}.{a.rule}", subj
+                    assert subj == subjects.alert(a.severity, a.rule), subj
                     assert a.job == JOB and a.node and a.evidence and a.evidence[0].sandbox == a.sandbox
                     # the exec, or a kernel event of it (file, signal, net, pids, ...) when that arrived first
                     assert a.evidence[0].kind in ("exec", "file", "signal", "net", "pids", "oom", "syscall", "canary") and a.message
@@ -319,7 +319,7 @@ async def test_query_is_read_only_and_validated(nc):
         assert not r["ok"] and r["error"]["code"] == "invalid_request", (raw, r)
     # still serving, and nothing was dropped
     assert (await query(nc, "SELECT count() FROM alerts"))["ok"]
-    m = await nc.request("corral.v1.monitor.rules", b"{}", timeout=5)
+    m = await nc.request(subjects.MONITOR_RULES, b"{}", timeout=5)
     names = {x["name"] for x in json.loads(m.data)["rules"]}
     assert {"git_history_mining", "fork_bomb", "mass_file_rewrite"} <= names
 
@@ -428,7 +428,7 @@ def _batch(job: str, start: int, n: int, sandbox: str = "sb-eo") -> bytes:
 async def _publish(js, job: str, msgs: int, per_msg: int, pace_s: float = 0.0) -> int:
     futs = []
     for k in range(msgs):
-        futs.append(js.publish(f"corral.audit.bench-node.sb-{job}", _batch(job, k * per_msg, per_msg)))
+        futs.append(js.publish(subjects.audit("bench-node", f"sb-{job}"), _batch(job, k * per_msg, per_msg)))
         if len(futs) >= 20:
             await asyncio.gather(*futs)
             futs = []
@@ -561,14 +561,14 @@ async def test_malformed_events_are_dead_lettered_and_not_fatal(mstack, mnc):
         b"\xff\xfe\x00garbage",
     ]
     for p in bad_payloads:
-        await js.publish("corral.audit.n1.sb-mal", p)
+        await js.publish(subjects.audit("n1", "sb-mal"), p)
     # a batch with two bad events around a good one: the good one is kept
     mixed = (b'{"events": [{"id": "mal-x1", "ts": "yesterday", "node": "n1", "sandbox": "sb-mal", "kind": "exec"}, '
              + msgspec.json.encode(good) + b', {"id": "mal-x2", "ts": 1.0, "node": "n1", "sandbox": "sb-mal", "kind": "exec"},'
              b' {"id": "mal-x3", "ts": 1700000000.0, "node": "n1", "sandbox": "sb-mal", "kind": "teleport"},'
              b' {"id": "mal-x4", "ts": 1700000000.0, "node": "n1", "sandbox": "sb-mal", "kind": "exec", "pid": 1180591620717411303424}]}')
-    await js.publish("corral.audit.n1.sb-mal", mixed)
-    await js.publish("corral.events.sandbox.sb-mal.created", b"{not json")
+    await js.publish(subjects.audit("n1", "sb-mal"), mixed)
+    await js.publish(subjects.event("sb-mal", "created"), b"{not json")
     expected_bad = len(bad_payloads) + 4 + 1
 
     async def counted():
@@ -593,7 +593,7 @@ async def test_malformed_events_are_dead_lettered_and_not_fatal(mstack, mnc):
     await psub.unsubscribe()
     assert len(dead) >= expected_bad
     mine = [m for m in dead if m.headers and m.headers.get("Corral-Source-Subject", "").endswith("sb-mal")
-            or (m.headers or {}).get("Corral-Source-Subject") == "corral.events.sandbox.sb-mal.created"]
+            or (m.headers or {}).get("Corral-Source-Subject") == subjects.event("sb-mal", "created")]
     assert len(mine) == expected_bad, [m.headers for m in dead]
     assert {m.headers["Corral-Reason"] for m in mine} == {"batch", "event"}
     assert any(m.data == b"this is not json" for m in mine)
@@ -627,7 +627,7 @@ async def test_window_rules_on_file_and_syscall_events(mstack, mnc):
             AuditEvent(id="fh-" + event_id(), ts=now, node="n1", sandbox="sb-fh", kind="syscall", job="win",
                        syscall="open_by_handle_at", denied=True, pid=13, comm="a.out")]
     for i in range(0, len(evs), 100):
-        await js.publish("corral.audit.n1.sb-win", msgspec.json.encode(AuditBatch(events=evs[i:i + 100])))
+        await js.publish(subjects.audit("n1", "sb-win"), msgspec.json.encode(AuditBatch(events=evs[i:i + 100])))
     want = {("mass_file_rewrite", "sb-churn"), ("denial_burst", "sb-probe"), ("denied_syscall", "sb-probe"),
             ("canary_read", "sb-can"), ("handle_or_blockmap_access", "sb-fh")}
 

@@ -53,7 +53,7 @@ async def bus_alerts(enc):
     async def on_msg(msg) -> None:
         got.append((msg.subject, msgspec.json.decode(msg.data, type=Alert)))
 
-    sub = await enc.subscribe("corral.alerts.>", cb=on_msg)
+    sub = await enc.subscribe(subjects.ALERTS_ALL, cb=on_msg)
     await enc.flush()
     yield got
     await sub.unsubscribe()
@@ -70,7 +70,7 @@ async def test_window_rule_alert_is_in_the_reply_at_once_and_findings_are_record
     url = estack.proc("monitor").metrics_url
     sb = await eclient.create(image="busybox", cpu=0.5, memory_mb=64, ttl_s=300, job=JOB)
     try:
-        subject = f"corral.audit.{sb.info.node}.{sb.id}"
+        subject = subjects.audit(sb.info.node, sb.id)
         seen: list[AuditEvent] = []
 
         async def on_audit(msg) -> None:
@@ -118,10 +118,10 @@ async def test_window_rule_alert_is_in_the_reply_at_once_and_findings_are_record
         async def published():
             return {a.rule for _, a in bus_alerts if a.sandbox == sb.id} >= {"denial_burst", "grader_tampering"}
 
-        await wait_for(published, 10, what="the alerts on corral.alerts.>")
+        await wait_for(published, 10, what=f"the alerts on {subjects.ALERTS_ALL}")
         for rule in ("denial_burst", "grader_tampering"):
             mine = [(s, a) for s, a in bus_alerts if a.sandbox == sb.id and a.rule == rule]
-            assert {s for s, _ in mine} == {f"corral.alerts.high.{rule}"}
+            assert {s for s, _ in mine} == {subjects.alert("high", rule)}
             assert len({a.id for _, a in mine}) == 1, mine
         tamper = next(a for _, a in bus_alerts if a.rule == "grader_tampering" and a.sandbox == sb.id)
         assert tamper.paths == ["/repo/conftest.py"] and tamper.job == JOB and tamper.node == sb.info.node
@@ -140,7 +140,7 @@ async def test_lost_audit_raises_audit_incomplete_and_is_counted(enc, bus_alerts
            AuditEvent(id="loss-" + event_id(), ts=now + 0.5, node="n-loss", sandbox=sandbox, kind="loss", job=JOB,
                       detail={"reason": "publish failed", "count": "5"}),
            AuditEvent(id="ok-" + event_id(), ts=now, node="n-loss", sandbox=sandbox, kind="exec", job=JOB, cmd="ls", cwd="/", exit_code=0)]
-    ack = await js.publish(f"corral.audit.n-loss.{sandbox}", msgspec.json.encode(AuditBatch(events=evs)))
+    ack = await js.publish(subjects.audit("n-loss", sandbox), msgspec.json.encode(AuditBatch(events=evs)))
     r = await evaluate(enc, EvaluateRequest(sandbox=sandbox, after_seq=ack.seq, wait_s=60))
     assert r["ok"] and r["complete"] is True and r["stored_seq"] >= ack.seq, r
     assert r["lost"] == 12, r
@@ -152,7 +152,7 @@ async def test_lost_audit_raises_audit_incomplete_and_is_counted(enc, bus_alerts
         return [s for s, x in bus_alerts if x.sandbox == sandbox]
 
     subs = await wait_for(published, 10, what="audit_incomplete on the bus")
-    assert set(subs) == {"corral.alerts.high.audit_incomplete"}
+    assert set(subs) == {subjects.alert("high", "audit_incomplete")}
 
 
 async def test_after_seq_not_reached_is_incomplete_after_wait_s(enc):

@@ -13,6 +13,7 @@ import nats
 import pytest
 
 from corral_common.errors import Capacity
+from corral_common import subjects
 from corral_sdk import AsyncClient
 
 from ..conftest import running_stack
@@ -45,7 +46,7 @@ async def bus(sched):
 
 async def create(nc, **spec) -> dict:
     body = {"image": "busybox", "cpu": 1.0, "memory_mb": 256, **spec}
-    return json.loads((await nc.request("corral.v1.sandbox.create", json.dumps(body).encode(), timeout=30)).data)
+    return json.loads((await nc.request(subjects.SANDBOX_CREATE, json.dumps(body).encode(), timeout=30)).data)
 
 
 async def test_cpu_overcommitted_by_observed_use_until_the_node_runs_hot(bus):
@@ -96,7 +97,7 @@ async def test_job_quotas_and_errors(bus):
     nc, node = bus
     await node("q", cpu=64.0, memory_mb=100_000)
     job = f"quota-{uuid.uuid4().hex[:6]}"
-    r = json.loads((await nc.request("corral.v1.quota.set", json.dumps({"job": job, "sandboxes": 3, "cpu": 10}).encode(), timeout=5)).data)
+    r = json.loads((await nc.request(subjects.QUOTA_SET, json.dumps({"job": job, "sandboxes": 3, "cpu": 10}).encode(), timeout=5)).data)
     assert r["ok"] is True
     for _ in range(3):
         assert (await create(nc, cpu=0.5, memory_mb=64, job=job))["ok"]
@@ -105,12 +106,12 @@ async def test_job_quotas_and_errors(bus):
     assert r["error"]["retry_after_s"] > 0
     # another job is unaffected
     assert (await create(nc, cpu=0.5, memory_mb=64, job=job + "-other"))["ok"]
-    r = json.loads((await nc.request("corral.v1.sandbox.create_batch", json.dumps(
+    r = json.loads((await nc.request(subjects.SANDBOX_CREATE_BATCH, json.dumps(
         {"spec": {"cpu": 0.1, "memory_mb": 64, "job": job}, "count": 5}).encode(), timeout=30)).data)
     assert r["ok"] is False and "quota of 3" in r["error"]["message"]
-    got = json.loads((await nc.request("corral.v1.quota.get", json.dumps({"job": job}).encode(), timeout=5)).data)
+    got = json.loads((await nc.request(subjects.QUOTA_GET, json.dumps({"job": job}).encode(), timeout=5)).data)
     assert got["quota"]["sandboxes"] == 3 and got["used"]["sandboxes"] == 3
-    bad = json.loads((await nc.request("corral.v1.quota.set", json.dumps({"job": job, "sandboxes": -1}).encode(), timeout=5)).data)
+    bad = json.loads((await nc.request(subjects.QUOTA_SET, json.dumps({"job": job, "sandboxes": -1}).encode(), timeout=5)).data)
     assert bad["ok"] is False and bad["error"]["code"] == "invalid_request"
 
 
@@ -142,18 +143,18 @@ async def test_lost_node_is_reported_and_work_goes_elsewhere(bus):
     async def on(m):
         events.append((m.subject, json.loads(m.data)))
 
-    await nc.subscribe("corral.events.>", cb=on)
+    await nc.subscribe(subjects.EVENTS_ALL, cb=on)
     dying = await node("dying", cpu=64.0, memory_mb=100_000)
     sid = (await create(nc, memory_mb=64, placement="pack"))["sandbox"]["id"]
     dying.beating = False
     live = await node("live", cpu=64.0, memory_mb=100_000)
     for _ in range(100):
-        if any(s == f"corral.events.sandbox.{sid}.lost" for s, _ in events):
+        if any(s == subjects.event(sid, "lost") for s, _ in events):
             break
         await asyncio.sleep(0.1)
-    assert any(s == f"corral.events.node.{dying.name}.lost" for s, _ in events)
-    assert any(s == f"corral.events.sandbox.{sid}.lost" for s, _ in events)
-    r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=5)).data)
+    assert any(s == subjects.node_event(dying.name, "lost") for s, _ in events)
+    assert any(s == subjects.event(sid, "lost") for s, _ in events)
+    r = json.loads((await nc.request(subjects.sandbox_op(sid, "exec"), b'{"cmd": "true"}', timeout=5)).data)
     assert r["error"]["code"] == "not_found"
     for _ in range(5):
         assert (await create(nc, memory_mb=64))["sandbox"]["node"] == live.name
@@ -170,23 +171,23 @@ async def test_not_found_for_a_lost_node_does_not_beat_the_node_answering(bus):
     async def on(m):
         events.append(m.subject)
 
-    await nc.subscribe("corral.events.node.>", cb=on)
+    await nc.subscribe(subjects.NODE_EVENTS_ALL, cb=on)
     sleeper = await node("sleeper", cpu=64.0, memory_mb=100_000)
     sid = (await create(nc, memory_mb=64, placement="pack"))["sandbox"]["id"]
     assert sid in sleeper.sandboxes
     sleeper.beating = False
     for _ in range(150):
-        if f"corral.events.node.{sleeper.name}.lost" in events:
+        if subjects.node_event(sleeper.name, "lost") in events:
             break
         await asyncio.sleep(0.1)
-    assert f"corral.events.node.{sleeper.name}.lost" in events
+    assert subjects.node_event(sleeper.name, "lost") in events
 
     async def answer(m):  # the woken node: its answer takes a moment (a real exec)
         await asyncio.sleep(0.3)
         await m.respond(json.dumps({"ok": True, "result": {"exit_code": 0, "stdout": "from the node"}}).encode())
 
-    sub = await nc.subscribe(f"corral.v1.sandbox.{sid}.>", cb=answer)
-    call = asyncio.ensure_future(nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10))
+    sub = await nc.subscribe(subjects.sandbox_all(sid), cb=answer)
+    call = asyncio.ensure_future(nc.request(subjects.sandbox_op(sid, "exec"), b'{"cmd": "true"}', timeout=10))
     await asyncio.sleep(0.05)
     sleeper.beating = True
     await sleeper.heartbeat()
@@ -196,10 +197,10 @@ async def test_not_found_for_a_lost_node_does_not_beat_the_node_answering(bus):
     # a node that stays silent: the answer is `not_found`, naming the lost node
     sleeper.beating = False
     for _ in range(150):
-        if events.count(f"corral.events.node.{sleeper.name}.lost") >= 2:
+        if events.count(subjects.node_event(sleeper.name, "lost")) >= 2:
             break
         await asyncio.sleep(0.1)
-    r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10)).data)
+    r = json.loads((await nc.request(subjects.sandbox_op(sid, "exec"), b'{"cmd": "true"}', timeout=10)).data)
     assert r["error"]["code"] == "not_found" and sleeper.name in r["error"]["message"], r
 
 
@@ -223,7 +224,7 @@ async def test_a_directly_answered_create_is_never_called_unknown(bus):
         await to_scheduler.wait()  # the scheduler hears of it only later
         await m.respond(json.dumps({"ok": True, "sandbox": info, "replied": True}).encode())
 
-    n.subs.append(await nc.subscribe(f"corral.node.{n.name}.create", cb=on_create))
+    n.subs.append(await nc.subscribe(subjects.node_create(n.name), cb=on_create))
     r = await create(nc, memory_mb=64, placement="pack")
     assert r["ok"] and r["sandbox"]["node"] == n.name, r
     sid = r["sandbox"]["id"]
@@ -232,14 +233,14 @@ async def test_a_directly_answered_create_is_never_called_unknown(bus):
         await asyncio.sleep(0.3)
         await m.respond(json.dumps({"ok": True, "result": {"exit_code": 0, "stdout": "from the node"}}).encode())
 
-    sub = await nc.subscribe(f"corral.v1.sandbox.{sid}.>", cb=on_exec)
-    call = asyncio.ensure_future(nc.request(f"corral.v1.sandbox.{sid}.exec", b'{"cmd": "true"}', timeout=10))
+    sub = await nc.subscribe(subjects.sandbox_all(sid), cb=on_exec)
+    call = asyncio.ensure_future(nc.request(subjects.sandbox_op(sid, "exec"), b'{"cmd": "true"}', timeout=10))
     await asyncio.sleep(0.1)  # the race this is about: the call is at the scheduler before the node's answer
     to_scheduler.set()
     r = json.loads((await call).data)
     assert r["ok"] and r["result"]["stdout"] == "from the node", r
     await sub.unsubscribe()
-    listed = json.loads((await nc.request("corral.v1.sandbox.list", json.dumps({"node": n.name}).encode(), timeout=5)).data)
+    listed = json.loads((await nc.request(subjects.SANDBOX_LIST, json.dumps({"node": n.name}).encode(), timeout=5)).data)
     assert [s["id"] for s in listed["sandboxes"]] == [sid]
 
 
@@ -254,10 +255,10 @@ async def test_two_replicas_race_on_the_same_batch(bus, sched):
         rid = f"race-{uuid.uuid4().hex[:6]}"
         body = json.dumps({"spec": {"cpu": 0.1, "memory_mb": 64, "request_id": rid, "job": rid}, "count": 20}).encode()
         # many retries of the same batch, spread over both replicas by the queue group
-        replies = await asyncio.gather(*(nc.request("corral.v1.sandbox.create_batch", body, timeout=60) for _ in range(6)))
+        replies = await asyncio.gather(*(nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=60) for _ in range(6)))
         ids = [sorted(s["id"] for s in json.loads(r.data)["sandboxes"]) for r in replies]
         assert all(i == ids[0] for i in ids) and len(ids[0]) == 20
-        listed = json.loads((await nc.request("corral.v1.sandbox.list", json.dumps({"job": rid}).encode(), timeout=5)).data)
+        listed = json.loads((await nc.request(subjects.SANDBOX_LIST, json.dumps({"job": rid}).encode(), timeout=5)).data)
         assert len(listed["sandboxes"]) == 20  # nothing placed twice
     finally:
         replica.terminate()
@@ -276,22 +277,22 @@ async def test_concurrent_creates_do_not_overshoot_a_node():
         try:
             spec = {"image": "busybox", "cpu": 0.1, "memory_mb": 128}
             ids = [f"sb-{secrets.token_hex(6)}" for _ in range(6)]
-            replies = await asyncio.gather(*(nc.request("corral.node.node-1.create", json.dumps(
+            replies = await asyncio.gather(*(nc.request(subjects.node_create("node-1"), json.dumps(
                 {"sandbox_id": sid, "spec": spec}).encode(), timeout=60) for sid in ids))
             res = [json.loads(r.data) for r in replies]
             made = [r["sandbox"]["id"] for r in res if r["ok"]]
             assert len(made) == 2, res
             assert [r["error"]["code"] for r in res if not r["ok"]] == ["capacity"] * 4, res
             for sid in made:
-                r = json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)
+                r = json.loads((await nc.request(subjects.sandbox_op(sid, "destroy"), b"{}", timeout=30)).data)
                 assert r["ok"], r
             items = [{"sandbox_id": f"sb-{secrets.token_hex(6)}", "spec": spec} for _ in range(6)]
-            r = json.loads((await nc.request("corral.node.node-1.create_batch", json.dumps({"items": items}).encode(),
+            r = json.loads((await nc.request(subjects.node_create_batch("node-1"), json.dumps({"items": items}).encode(),
                                              timeout=60)).data)
             oks = [x["sandbox"]["id"] for x in r["results"] if x["ok"]]
             assert len(oks) == 2 and [x["error"]["code"] for x in r["results"] if not x["ok"]] == ["capacity"] * 4, r
             for sid in oks:
-                assert json.loads((await nc.request(f"corral.v1.sandbox.{sid}.destroy", b"{}", timeout=30)).data)["ok"]
+                assert json.loads((await nc.request(subjects.sandbox_op(sid, "destroy"), b"{}", timeout=30)).data)["ok"]
         finally:
             await nc.close()
 
@@ -357,7 +358,7 @@ async def test_a_late_node_that_claimed_first_keeps_the_sandbox(bus):
     assert r["ok"] and r["sandbox"]["node"] == slow.name, r
     sid = r["sandbox"]["id"]
     assert sid in slow.sandboxes and sid not in other.sandboxes and other.conflicts == 1
-    listed = json.loads((await nc.request("corral.v1.sandbox.list", b"{}", timeout=5)).data)
+    listed = json.loads((await nc.request(subjects.SANDBOX_LIST, b"{}", timeout=5)).data)
     assert [s["node"] for s in listed["sandboxes"] if s["id"] == sid] == [slow.name]
 
 
@@ -387,7 +388,7 @@ async def test_a_late_create_on_a_real_node_is_undone_when_another_node_holds_th
                 failed[ev["sandbox_id"]] = ev
                 got.set()
 
-            await nc.subscribe("corral.events.sandbox.*.failed", cb=on_failed)
+            await nc.subscribe(subjects.event("*", "failed"), cb=on_failed)
             os.kill(agent.pid, signal.SIGSTOP)
             try:
                 sb = await c.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=300, placement="pack")
@@ -402,7 +403,7 @@ async def test_a_late_create_on_a_real_node_is_undone_when_another_node_holds_th
             assert sb.id in held[sb.info.node]["runc"], held
             kv = await nc.jetstream().key_value("corral_placements")
             assert json.loads((await kv.get(sb.id)).value)["node"] == sb.info.node
-            listed = json.loads((await nc.request("corral.v1.sandbox.list", b"{}", timeout=5)).data)
+            listed = json.loads((await nc.request(subjects.SANDBOX_LIST, b"{}", timeout=5)).data)
             assert [x["node"] for x in listed["sandboxes"] if x["id"] == sb.id] == [sb.info.node]
             assert (await sb.exec("echo hi")).stdout.strip() == "hi"
             await sb.destroy()

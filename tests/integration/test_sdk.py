@@ -9,6 +9,7 @@ import nats
 import pytest
 
 from corral_sdk import Client, ExecChunk, ExecResult, InvalidRequest, NotFound, Sandbox
+from corral_common import subjects
 
 
 async def test_async_context_manager_destroys(client):
@@ -54,7 +55,7 @@ async def test_ttl_expiry_destroys_and_publishes_events(client, stack):
     async def on_event(m) -> None:
         events.append(json.loads(m.data))
 
-    sub = await nc.subscribe("corral.events.sandbox.>", cb=on_event)
+    sub = await nc.subscribe(subjects.SANDBOX_EVENTS_ALL, cb=on_event)
     try:
         sb = await client.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=1.0)
         deadline = time.monotonic() + 10
@@ -76,7 +77,7 @@ async def test_events_are_in_jetstream(client, stack):
     nc = await nats.connect(stack.url)
     try:
         js = nc.jetstream()
-        psub = await js.subscribe(f"corral.events.sandbox.{sb.id}.*", ordered_consumer=True)
+        psub = await js.subscribe(subjects.event(sb.id, "*"), ordered_consumer=True)
         kinds = []
         for _ in range(3):
             m = await psub.next_msg(timeout=5)
@@ -138,7 +139,7 @@ async def test_every_exec_is_audited_on_jetstream(client, stack):
     await sb.destroy()
     nc = await nats.connect(stack.url)
     try:
-        psub = await nc.jetstream().subscribe(f"corral.audit.node-1.{sb.id}", ordered_consumer=True)
+        psub = await nc.jetstream().subscribe(subjects.audit("node-1", sb.id), ordered_consumer=True)
         events = []
         while len(events) < 2:  # (file activity of the same sandbox comes on the same subject)
             m = await psub.next_msg(timeout=5)

@@ -28,6 +28,8 @@ import pytest
 import pytest_asyncio
 
 from corral_common.messages import ExecResult
+from corral_common import subjects
+from corral_common.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE
 from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound, RemoteError, Timeout
 
 from .. import leaks
@@ -82,9 +84,9 @@ async def docker_stack(docker_env):
 
 
 def _docker_containers(stack, sid: str | None = None) -> list[str]:
-    filt = [f"label=corral.sandbox={sid}"] if sid else []
+    filt = [f"label={DOCKER_SANDBOX}={sid}"] if sid else []
     tag = _state_tag(stack)
-    p = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=corral.state={tag}", *sum((["--filter", f] for f in filt), [])],
+    p = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={DOCKER_STATE}={tag}", *sum((["--filter", f] for f in filt), [])],
                        capture_output=True, text=True)
     return p.stdout.split()
 
@@ -132,7 +134,7 @@ class Target:
         if self.sandbox is not None:
             return await self.sandbox.exec(cmd, **kw)
         body = {"spec": {"image": self.image, "substrate": "function", **self.spec}, "exec": {"cmd": cmd, **kw}}
-        r = json.loads((await self.nc.request("corral.v1.sandbox.run", json.dumps(body).encode(), timeout=kw.get("timeout_s", 60) + 60)).data)
+        r = json.loads((await self.nc.request(subjects.SANDBOX_RUN, json.dumps(body).encode(), timeout=kw.get("timeout_s", 60) + 60)).data)
         if not r["ok"]:
             from corral_common.errors import from_code
 
@@ -453,7 +455,7 @@ async def test_nothing_left_after_destroy(env, substrate):
     for i in range(5):
         tok = secrets.randbelow(90000) + 10000
         t = await Target(substrate, st, client, nc, image, {"cpu": 0.25, "memory_mb": 64}).start()
-        destroyed = await nc.subscribe(f"corral.events.sandbox.*.destroyed")
+        destroyed = await nc.subscribe(subjects.event("*", "destroyed"))
         try:
             await t.exec(f"sleep {tok} >/dev/null 2>&1 & echo x > /tmp/f")
             if t.substrate != "function":
@@ -499,9 +501,9 @@ async def test_bad_exec_input(env, substrate):
                ({"cmd": "true", "bogus": 1}, "invalid_request")]
         for body, code in bad:
             if t.substrate == "function":
-                r = await _raw(t.nc, "corral.v1.sandbox.run", {"spec": {"image": "busybox"}, "exec": body})
+                r = await _raw(t.nc, subjects.SANDBOX_RUN, {"spec": {"image": "busybox"}, "exec": body})
             else:
-                r = await _raw(t.nc, f"corral.v1.sandbox.{t.last}.exec", body)
+                r = await _raw(t.nc, subjects.sandbox_op(t.last, "exec"), body)
             assert r["ok"] is False and r["error"]["code"] == code, (body, r)
         await ok(t, "echo still fine")
 
@@ -522,10 +524,10 @@ async def test_run_bad_input(nc):
         ({"spec": {"memory_mb": 1_000_000}, "exec": {"cmd": "true"}}, "capacity", "memory_mb"),
     ]
     for body, code, word in cases:
-        r = await _raw(nc, "corral.v1.sandbox.run", body)
+        r = await _raw(nc, subjects.SANDBOX_RUN, body)
         assert r["ok"] is False and r["error"]["code"] == code, (body, r)
         assert word in r["error"]["message"], (word, r)
-    r = await _raw(nc, "corral.v1.sandbox.run", {"exec": {"cmd": "echo fine"}})
+    r = await _raw(nc, subjects.SANDBOX_RUN, {"exec": {"cmd": "echo fine"}})
     assert r["ok"] is True and r["result"]["stdout"] == "fine\n" and r["sandbox_id"].startswith("fn-") and r["node"], r
 
 
@@ -534,12 +536,12 @@ async def test_run_is_idempotent_by_request_id(nc, client):
     output, `replayed`), concurrent duplicates run once, and a reused id with another command is
     a conflict."""
     job = f"idem-{secrets.token_hex(4)}"
-    destroyed = await nc.subscribe("corral.events.sandbox.*.destroyed")
+    destroyed = await nc.subscribe(subjects.event("*", "destroyed"))
     try:
         rid = f"rid-{secrets.token_hex(6)}"
         body = {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "cat /proc/sys/kernel/random/uuid"}}
-        first = await _raw(nc, "corral.v1.sandbox.run", body)
-        again = await _raw(nc, "corral.v1.sandbox.run", body)
+        first = await _raw(nc, subjects.SANDBOX_RUN, body)
+        again = await _raw(nc, subjects.SANDBOX_RUN, body)
         assert first["ok"] and again["ok"], (first, again)
         assert again["sandbox_id"] == first["sandbox_id"] and again["result"]["stdout"] == first["result"]["stdout"], (first, again)
         assert first["result"]["replayed"] is False and again["result"]["replayed"] is True
@@ -549,20 +551,20 @@ async def test_run_is_idempotent_by_request_id(nc, client):
 
         rid2 = f"rid-{secrets.token_hex(6)}"
         body2 = {"spec": {"request_id": rid2, "job": job}, "exec": {"cmd": "sleep 1; cat /proc/sys/kernel/random/uuid"}}
-        replies = await asyncio.gather(*(_raw(nc, "corral.v1.sandbox.run", body2) for _ in range(6)))
+        replies = await asyncio.gather(*(_raw(nc, subjects.SANDBOX_RUN, body2) for _ in range(6)))
         assert all(r["ok"] for r in replies), replies
         assert len({(r["sandbox_id"], r["result"]["stdout"]) for r in replies}) == 1, replies
         assert [r["result"]["replayed"] for r in replies].count(False) == 1, replies
 
-        r = await _raw(nc, "corral.v1.sandbox.run", {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "echo other"}})
+        r = await _raw(nc, subjects.SANDBOX_RUN, {"spec": {"request_id": rid, "job": job}, "exec": {"cmd": "echo other"}})
         assert r["ok"] is False and r["error"]["code"] == "conflict" and rid in r["error"]["message"], r
         # an error before anything ran keeps nothing: the retry is refused for the same reason again
         bad = {"spec": {"request_id": f"rid-{secrets.token_hex(6)}", "image": "no-such-image-x"}, "exec": {"cmd": "true"}}
         for _ in range(2):
-            r = await _raw(nc, "corral.v1.sandbox.run", bad)
+            r = await _raw(nc, subjects.SANDBOX_RUN, bad)
             assert r["ok"] is False and r["error"]["code"] == "not_found", r
         # without a request_id every call runs
-        plain = [await _raw(nc, "corral.v1.sandbox.run", {"spec": {"job": job}, "exec": {"cmd": "true"}}) for _ in range(2)]
+        plain = [await _raw(nc, subjects.SANDBOX_RUN, {"spec": {"job": job}, "exec": {"cmd": "true"}}) for _ in range(2)]
         assert plain[0]["sandbox_id"] != plain[1]["sandbox_id"] and not plain[1]["result"]["replayed"], plain
 
         # exactly one sandbox ran per request_id (every one-shot sandbox ends with a destroyed event)
@@ -584,10 +586,10 @@ async def test_run_is_idempotent_by_request_id(nc, client):
 
 async def test_create_rejects_one_shot_and_planned_substrates(nc):
     for sub, word in (("function", "one-shot"), ("microvm", "microvm"), ("vm", "vm"), ("docker", "available")):
-        r = await _raw(nc, "corral.v1.sandbox.create", {"image": "busybox", "substrate": sub})
+        r = await _raw(nc, subjects.SANDBOX_CREATE, {"image": "busybox", "substrate": sub})
         assert r["ok"] is False and r["error"]["code"] == "invalid_request", (sub, r)
         assert word in r["error"]["message"], r
-        r = await _raw(nc, "corral.v1.sandbox.create_batch", {"spec": {"image": "busybox", "substrate": sub}, "count": 2})
+        r = await _raw(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"image": "busybox", "substrate": sub}, "count": 2})
         assert r["ok"] is False and r["error"]["code"] == "invalid_request", (sub, r)
 
 
@@ -597,7 +599,7 @@ async def test_docker_bad_input(docker_client, docker_nc):
     assert "no-such-docker-image" in str(e.value)
     with pytest.raises(InvalidRequest):
         await docker_client.create(image="Bad Image!!", substrate="docker")
-    r = await _raw(docker_nc, "corral.v1.sandbox.run", {"spec": {"substrate": "function"}, "exec": {"cmd": "true"}})
+    r = await _raw(docker_nc, subjects.SANDBOX_RUN, {"spec": {"substrate": "function"}, "exec": {"cmd": "true"}})
     assert r["ok"] is False and r["error"]["code"] == "invalid_request" and "docker" in r["error"]["message"], r
 
 
@@ -630,7 +632,7 @@ async def test_file_activity_is_audited(env, substrate):
             want |= {("create", f"/tmp/f-{tok}")}
         seen: set[tuple[str, str]] = set()
         js = t.nc.jetstream()
-        sub = await js.subscribe(f"corral.audit.{t.node}.{t.last}", ordered_consumer=True)
+        sub = await js.subscribe(subjects.audit(t.node, t.last), ordered_consumer=True)
         deadline = time.monotonic() + 15
         try:
             while not want <= seen and time.monotonic() < deadline:
@@ -738,7 +740,7 @@ async def test_docker_limits_and_labels(docker_client, docker_stack, docker_env)
         assert hc["NetworkMode"] == "none" and hc["CapDrop"] == ["ALL"] and "no-new-privileges" in hc["SecurityOpt"], hc
         assert hc["ReadonlyRootfs"] is False and hc["Privileged"] is False
         labels = info["Config"]["Labels"]
-        assert labels["corral.node"] == "node-1" and labels["corral.sandbox"] == sb.id and labels["corral.job"] == "dj"
+        assert labels[DOCKER_NODE] == "node-1" and labels[DOCKER_SANDBOX] == sb.id and labels[DOCKER_JOB] == "dj"
         assert info["Config"]["Hostname"] == sb.id
         u = await sb._call("info", {})
         assert u.usage["memory_bytes"] > 0 and u.usage["pids"] >= 1, u.usage
@@ -767,7 +769,7 @@ async def test_docker_snapshot_is_a_docker_and_a_corral_image(docker_client, doc
             r = await c2.exec("cat /work/s.txt; ls /bin/vi 2>&1 || echo gone")
             assert r.stdout.startswith("state\n") and r.stdout.endswith("gone\n"), r
     finally:
-        await docker_client.request("corral.v1.image.delete", json.dumps({"name": name}).encode(), 30)
+        await docker_client.request(subjects.IMAGE_DELETE, json.dumps({"name": name}).encode(), 30)
         subprocess.run(["docker", "rmi", "-f", f"corral-snapshot/{name}:latest"], capture_output=True)
 
 
@@ -784,7 +786,7 @@ async def test_docker_runs_corral_images(docker_client):
 
 async def test_docker_heartbeat_substrates(docker_nc, nc):
     async def substrates_of(conn) -> list[str]:
-        sub = await conn.subscribe("corral.node.heartbeat")
+        sub = await conn.subscribe(subjects.NODE_HEARTBEAT)
         try:
             return json.loads((await sub.next_msg(timeout=10)).data)["substrates"]
         finally:
@@ -806,12 +808,12 @@ async def test_docker_reconcile_after_kill9(docker_env):
         agent.wait()
         # a container of this node's that has no record (a create cut short by the crash)
         tag = _state_tag(s)
-        stray = subprocess.run(["docker", "create", "--label", "corral.node=node-1", "--label", f"corral.state={tag}",
-                                "--label", "corral.sandbox=sb-deadbeef0000", docker_env.image, "/bin/sh"],
+        stray = subprocess.run(["docker", "create", "--label", f"{DOCKER_NODE}=node-1", "--label", f"{DOCKER_STATE}={tag}",
+                                "--label", f"{DOCKER_SANDBOX}=sb-deadbeef0000", docker_env.image, "/bin/sh"],
                                capture_output=True, text=True).stdout.strip()
         assert stray
         nc2 = await nats.connect(s.url)
-        rec = await nc2.subscribe("corral.events.node.node-1.reconciled")
+        rec = await nc2.subscribe(subjects.node_event("node-1", "reconciled"))
         s.restart("node-1")
         m = json.loads((await rec.next_msg(timeout=60)).data)
         assert keep.id in m["adopted"] and "sb-deadbeef0000" in m["cleaned"], m
@@ -866,7 +868,7 @@ async def test_image_export_and_import_docker(stack, client, docker_env):
     finally:
         subprocess.run(["docker", "rmi", "-f", ref], capture_output=True)
         with contextlib.suppress(Exception):
-            await client.request("corral.v1.image.delete", json.dumps({"name": name}).encode(), 30)
+            await client.request(subjects.IMAGE_DELETE, json.dumps({"name": name}).encode(), 30)
 
 
 # ============================================================================ helpers
@@ -879,7 +881,7 @@ async def _raw(nc, subject: str, body, timeout: float = 60) -> dict:
 
 async def _audit_events(nc, node: str, sid: str, want, timeout: float = 15) -> list[dict]:
     js = nc.jetstream()
-    sub = await js.subscribe(f"corral.audit.{node}.{sid}", ordered_consumer=True)
+    sub = await js.subscribe(subjects.audit(node, sid), ordered_consumer=True)
     found: list[dict] = []
     deadline = time.monotonic() + timeout
     try:
@@ -891,7 +893,7 @@ async def _audit_events(nc, node: str, sid: str, want, timeout: float = 15) -> l
             found += [e for e in json.loads(m.data)["events"] if want(e)]
     finally:
         await sub.unsubscribe()
-    assert found, f"no audit event for {sid} on corral.audit.{node}.{sid}"
+    assert found, f"no audit event for {sid} on {subjects.audit(node, sid)}"
     return found
 
 

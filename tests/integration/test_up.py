@@ -18,6 +18,7 @@ from corral_sdk.stack import free_port
 
 from ..conftest import IMAGE_DIR
 from ..leaks import assert_clean, inits_of_node, processes_with
+from corral_common import subjects
 
 
 async def _claim_reason(url: str) -> str:
@@ -35,8 +36,8 @@ async def _claim_reason(url: str) -> str:
         ev = json.loads(m.data)
         created[ev["sandbox_id"]] = ev.get("reason", "")
 
-    await nc.subscribe("corral.node.heartbeat", cb=on_hb)
-    await nc.subscribe("corral.events.sandbox.*.created", cb=on_created)
+    await nc.subscribe(subjects.NODE_HEARTBEAT, cb=on_hb)
+    await nc.subscribe(subjects.event("*", "created"), cb=on_created)
     try:
         for _ in range(600):
             if len(warm) == 2 and all(warm.values()):

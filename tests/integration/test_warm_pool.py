@@ -108,7 +108,7 @@ async def test_claim_is_indistinguishable_from_a_fresh_sandbox(pooled):
     async def on_event(m) -> None:
         events.append(msgspec.json.decode(m.data, type=Event))
 
-    esub = await nc.subscribe("corral.events.sandbox.>", cb=on_event)
+    esub = await nc.subscribe(subjects.SANDBOX_EVENTS_ALL, cb=on_event)
     sb = await c.create(image="busybox", cpu=0.5, memory_mb=200, pids_max=77, disk_mb=64, ttl_s=600,
                         env={"FOO": "bar"}, labels={"team": "pool"}, workdir="/work/dir", job="warm-test")
     try:
@@ -171,7 +171,7 @@ async def test_claim_is_indistinguishable_from_a_fresh_sandbox(pooled):
         async def on_audit(m) -> None:
             audit.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
 
-        asub = await js.subscribe(f"corral.audit.{NODE}.{sid}", cb=on_audit, ordered_consumer=True)
+        asub = await js.subscribe(subjects.audit(NODE, sid), cb=on_audit, ordered_consumer=True)
         r = await sb.exec("unshare -n true; echo rc=$?")
         assert "rc=1" in r.stdout
         deadline = time.monotonic() + 15
@@ -254,7 +254,7 @@ async def test_specs_with_canaries_or_protected_paths_are_never_claimed(pooled):
     async def on_event(m) -> None:
         events.append(msgspec.json.decode(m.data, type=Event))
 
-    esub = await nc.subscribe("corral.events.sandbox.>", cb=on_event)
+    esub = await nc.subscribe(subjects.SANDBOX_EVENTS_ALL, cb=on_event)
     try:
         sb1 = await c.create(image="busybox", memory_mb=64, canaries={"/srv/answers.json": "42"})
         sb2 = await c.create(image="busybox", memory_mb=64, protected_paths=["/etc/hostname"])

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from corral_common.audit import AuditEvent, event_id
+from corral_common import subjects, labels
 from corral_monitor import rules
 from corral_monitor.rules import RuleContext
 from corral_monitor.rules import shell
@@ -65,10 +66,10 @@ MISBEHAVIOUR: dict[str, list[AuditEvent]] = {
         ex("python3 -c \"print(open('/srv/reference_solution.py').read())\""),
         ex("cp /task/gold_patch.diff /tmp/"),
         ex("cat /grader/run.sh"),
-        ex("cat tests/secret/test_x.py", cwd="/repo", labels={"corral.protected_paths": "/repo/tests/secret"}),
-        ex("cd /repo && head tests/secret/test_x.py", cwd="/", labels={"corral.protected_paths": "/repo/tests/secret"}),
+        ex("cat tests/secret/test_x.py", cwd="/repo", labels={labels.PROTECTED_PATHS: "/repo/tests/secret"}),
+        ex("cd /repo && head tests/secret/test_x.py", cwd="/", labels={labels.PROTECTED_PATHS: "/repo/tests/secret"}),
         ev("file", op="open", path="/opt/x/hidden.py", pid=42, comm="cat", detail={"protected": "1"}),
-        ev("file", op="read", path="/repo/tests/secret/t.py", pid=42, comm="python3", labels={"corral.protected_paths": "/repo/tests/secret"}),
+        ev("file", op="read", path="/repo/tests/secret/t.py", pid=42, comm="python3", labels={labels.PROTECTED_PATHS: "/repo/tests/secret"}),
     ],
     "audit_incomplete": [
         ev("loss", detail={"reason": "publish failed", "count": "12"}),
@@ -78,7 +79,7 @@ MISBEHAVIOUR: dict[str, list[AuditEvent]] = {
     "canary_read": [
         ev("canary", path="/var/lib/mgmt/answers.json", op="read", pid=7, comm="cat"),
         ev("file", op="open", path="/var/lib/mgmt/answers.json", pid=7, comm="cat", detail={"canary": "1"}),
-        ex("cat /var/lib/mgmt/notes.txt", labels={"corral.canaries": "/var/lib/mgmt/notes.txt"}),
+        ex("cat /var/lib/mgmt/notes.txt", labels={labels.CANARIES: "/var/lib/mgmt/notes.txt"}),
     ],
     "test_tampering": [
         ev("file", op="unlink", path="/repo/tests/test_parser.py", pid=9, comm="python3"),
@@ -442,8 +443,8 @@ def test_lifecycle_events_teach_protected_paths_and_canaries():
             self.detail = detail
 
     row = SandboxEventRow(id="e1", ts=1.7e9, kind="created", sandbox="sb-9", node="n1", job="j", reason="", image="busybox",
-                          substrate="container", state="running", cpu=1, memory_mb=64, labels={"corral.canaries": "/opt/leftover.txt"},
-                          subject="corral.events.sandbox.sb-9.created", detail="")
+                          substrate="container", state="running", cpu=1, memory_mb=64, labels={labels.CANARIES: "/opt/leftover.txt"},
+                          subject=subjects.event("sb-9", "created"), detail="")
     d.on_lifecycle([row], [Ev({"protected_paths": ["/srv/tests_hidden"]})])
     cat = AuditEvent(id="a", ts=1.7e9, node="n1", sandbox="sb-9", kind="exec", cmd="cat /srv/tests_hidden/t.py", cwd="/")
     assert {a.rule for a in d.evaluate([cat])} == {"protected_path_read"}
