@@ -213,7 +213,7 @@ def machine_info() -> dict[str, Any]:
         rev = sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]).stdout.strip()
         dirty = sh(["git", "-C", REPO, "status", "--porcelain"]).stdout.strip()
         info["corral_commit"] = rev + ("-dirty" if dirty else "")
-    except Exception:
+    except Exception:  # not a git checkout (or no git): the result has no commit
         pass
     try:
         with open("/proc/meminfo") as f:
@@ -588,7 +588,7 @@ class Bench:
             if not a.no_docker:
                 try:
                     Docker.rmi(getattr(self, "docker_tag", f"{DOCKER_REPO}:none"))
-                except Exception:
+                except Exception:  # the image may never have been built
                     pass
                 docker.down()
         res["summary"], res["goals"] = self.summarise(res)

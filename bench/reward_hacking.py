@@ -58,7 +58,7 @@ async def run_one(client, env, strat, job: str) -> dict[str, Any]:
         row.update(reward=None, reason=f"grade failed: {type(e).__name__}: {e}"[:400], alerts=[], wall_s=time.perf_counter() - t0)
         try:
             await sb.destroy()
-        except Exception:
+        except Exception:  # cleanup: the grade error is the result; a sandbox left behind expires with its TTL
             pass
     else:
         row.update(reward=g.reward, passed=g.passed, reason=g.reason, alerts=sorted({a.rule for a in g.alerts}),

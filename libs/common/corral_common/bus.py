@@ -49,7 +49,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
 async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None, history: int = 1) -> KeyValue:
     try:
         return await js.key_value(bucket)
-    except Exception:
+    except Exception:  # not there yet (or unreadable): creating it below raises the real error
         pass
     try:
         return await js.create_key_value(KeyValueConfig(bucket=bucket, history=history, ttl=ttl))
@@ -132,7 +132,7 @@ class Responder:
         if sub is not None:
             try:
                 await sub.unsubscribe()
-            except Exception:
+            except Exception:  # stopping: a subscription whose connection already closed is gone anyway
                 pass
 
     async def _handle(self, msg: Msg, handler: Handler, op: str) -> None:

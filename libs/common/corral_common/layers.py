@@ -169,7 +169,7 @@ class ObjectStoreBackend(ChunkBackend):
         store = await self._store()
         try:
             await store.delete(h)
-        except Exception:
+        except Exception:  # best effort: a chunk left behind is unreferenced and costs space only
             pass
 
 

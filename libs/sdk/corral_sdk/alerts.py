@@ -89,7 +89,7 @@ class AlertSubscription:
         for s in self._subs:
             try:
                 await s.unsubscribe()
-            except Exception:
+            except Exception:  # closing: a subscription whose connection already closed is gone anyway
                 pass
         self._queue.put_nowait(None)
 

@@ -229,7 +229,7 @@ class Stack:
                     r = await nc.request(subject, body, timeout=2)
                     if r.data.startswith(b'{"ok":true'):
                         return
-                except Exception:
+                except Exception:  # not answering yet (no responders, timeout): poll again until the deadline
                     pass
                 await asyncio.sleep(0.1)
             raise TimeoutError(f"no ok answer on {subject} after {timeout:g}s")
@@ -244,7 +244,7 @@ class Stack:
         async def on_hb(msg) -> None:
             try:
                 seen.add(msgspec.json.decode(msg.data, type=Heartbeat).node)
-            except Exception:
+            except msgspec.DecodeError:  # not a heartbeat this SDK can read: not a node it waits for
                 pass
 
         sub = await nc.subscribe(subjects.NODE_HEARTBEAT, cb=on_hb)
@@ -260,7 +260,7 @@ class Stack:
                             # the scheduler must also have heard a heartbeat from each node
                             await asyncio.sleep(1.2)
                             return
-                    except Exception:
+                    except Exception:  # not answering yet (no responders, timeout): poll again until the deadline
                         pass
                 await asyncio.sleep(0.1)
             raise TimeoutError(f"stack not ready after {timeout:g}s (heartbeats from {sorted(seen)})")

@@ -149,7 +149,7 @@ class Builder:
         finally:
             try:
                 await sb.destroy()
-            except Exception:
+            except Exception:  # cleanup: the build's own outcome matters; a sandbox left behind expires with its TTL
                 pass
 
     async def _in_build_sandbox(self, sb: AsyncSandbox, spec: EnvSpec, visible: dict[str, bytes], stored: StoredEnv,

@@ -133,7 +133,7 @@ class EnvCatalog:
     async def release(self, name: str, version: str) -> None:
         try:
             await self.kv.delete(key(name, version))
-        except Exception:
+        except Exception:  # best effort: a reservation left behind only blocks re-using this version number
             pass
 
     async def find_digest(self, name: str, digest: str) -> StoredEnv | None:

@@ -128,7 +128,7 @@ class Grader:
         if req.destroy:
             try:
                 await rollout.destroy()
-            except Exception:
+            except Exception:  # the grade is the answer; a rollout left behind expires with its TTL
                 pass
         discarded = verdict.discarded
         return EnvGradeResult(sandbox_id=req.sandbox_id, name=rec.name, version=rec.version, reward=reward, passed=passed,

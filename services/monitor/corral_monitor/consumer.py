@@ -289,7 +289,7 @@ class PullConsumer:
                 self.avg_size = max(size, 0.8 * self.avg_size + 0.2 * size)
                 try:
                     PENDING.labels(self.stream).set(msgs[-1].metadata.num_pending)
-                except Exception:
+                except Exception:  # a gauge only: a message without JetStream metadata must not stop ingestion
                     pass
                 t0 = time.perf_counter()
                 try:
@@ -356,7 +356,7 @@ class PullConsumer:
         for m in msgs:
             try:
                 await m.nak(delay=min(backoff * 4, 5.0))
-            except Exception:
+            except Exception:  # an un-nakked message is redelivered after ack_wait anyway
                 pass
 
     async def _one_by_one(self, msgs: list[Msg], backoff: float) -> None:
@@ -385,7 +385,7 @@ class PullConsumer:
         for s in self.subs:
             try:
                 await s.unsubscribe()
-            except Exception:
+            except Exception:  # closing: a subscription whose connection already closed is gone anyway
                 pass
 
 

@@ -122,7 +122,7 @@ class Monitor:
         await events.close()
         try:
             await self.nc.drain()
-        except Exception:
+        except Exception:  # shutting down: a connection already closed has nothing to drain
             pass
         await asyncio.to_thread(store.close)
         metrics.UP.labels("monitor").set(0)

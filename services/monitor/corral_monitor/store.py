@@ -222,7 +222,7 @@ class Store:
         if self.client is not None:
             try:
                 self.client.close()
-            except Exception:
+            except Exception:  # shutting down: nothing is left to do with a client that fails to close
                 pass
             self.client = None
 

@@ -250,7 +250,7 @@ class NodeAgent:
         await self.audit.close()
         try:
             await self.nc.drain()
-        except Exception:
+        except Exception:  # shutting down: a connection already closed has nothing to drain
             pass
         self.usage_thread.shutdown(wait=False)
         metrics.UP.labels("node-agent").set(0)
@@ -397,7 +397,7 @@ class NodeAgent:
             try:
                 head, _ = confine.read(root, f"{repo}/.git/HEAD", 4096)
                 out["git_head"] = head.decode(errors="replace").strip().removeprefix("ref:").strip()
-            except Exception:
+            except Exception:  # no git repository (or no readable HEAD): the info has no git_head
                 pass
         return out
 
@@ -534,8 +534,8 @@ class NodeAgent:
             for sid in report.cleaned:
                 try:
                     await self.placements.delete(sid)
-                except Exception:
-                    pass
+                except Exception as e:
+                    logs.kv(log, logging.WARNING, "placement not deleted", sandbox=sid, error=repr(e))
                 await self._publish_event(Event(kind="destroyed", ts=time.time(), sandbox_id=sid, node=self.node,
                                                 reason="cleaned up after node-agent restart"))
             if report.adopted or report.cleaned:
@@ -661,8 +661,8 @@ class NodeAgent:
                 if not claimed:  # our claim names a sandbox that is gone (a batch item's is removed by the batch)
                     try:
                         await self.placements.delete(sb.id)
-                    except Exception:
-                        pass
+                    except Exception as e:
+                        logs.kv(log, logging.WARNING, "placement not deleted", sandbox=sb.id, error=repr(e))
                 await self._publish_event(Event(kind="failed", ts=time.time(), sandbox_id=info.id, node=self.node, job=spec.job,
                                                 reason="create failed"))
                 if isinstance(e, CorralError):
@@ -1036,8 +1036,8 @@ class NodeAgent:
         for sn in meta.snapshots:
             try:
                 await self.catalog.images.delete(sn.image)
-            except Exception:
-                pass
+            except Exception as e:
+                logs.kv(log, logging.WARNING, "trajectory snapshot image not deleted", image=sn.image, error=repr(e))
         return ok(id=r.id, snapshots_removed=len(meta.snapshots))
 
     async def _restore(self, msg: Msg, sb: Sandbox, sub: Substrate) -> bytes:
@@ -1091,8 +1091,8 @@ class NodeAgent:
         await self._placement_written(sid)
         try:
             await self.placements.delete(sid)
-        except Exception:
-            pass
+        except Exception as e:
+            logs.kv(log, logging.WARNING, "placement not deleted", sandbox=sid, error=repr(e))
         await self._event(sb, "destroyed", reason=reason)
 
     # ------------------------------------------------------------------ events, heartbeats, expiry

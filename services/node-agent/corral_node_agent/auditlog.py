@@ -236,8 +236,8 @@ class AuditLog:
             self.task.cancel()
         try:
             await asyncio.wait_for(self.flush(), 5)
-        except Exception:
-            pass
+        except Exception as e:
+            log.warning("audit events not flushed at close: %r", e)
 
 
 def _is_loss(chunk: list[AuditEvent]) -> bool:

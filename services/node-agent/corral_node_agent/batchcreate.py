@@ -188,5 +188,5 @@ class BatchCreate:
             return
         try:
             await self.agent.placements.delete(sid)
-        except Exception:
-            pass
+        except Exception as e:
+            logs.kv(log, logging.WARNING, "placement not deleted", sandbox=sid, error=repr(e))

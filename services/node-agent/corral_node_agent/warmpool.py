@@ -264,7 +264,7 @@ class WarmPool:
             self.task.cancel()
             try:
                 await self.task
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # stopping: how the cancelled refill task ended no longer matters
                 pass
         for image, q in self.ready.items():
             while q:

@@ -117,7 +117,7 @@ class RunOnce:
             except BeforeRun as e:
                 try:
                     await self.kv.delete(key)
-                except Exception:
+                except Exception:  # a claim left behind only costs a retry its deadline wait: never a second run
                     pass
                 raise e.err from None
             except CorralError as e:
@@ -134,7 +134,7 @@ class RunOnce:
                                f"kept for retries ({e}); it is not run again", Code.CONFLICT)
             try:
                 await self.kv.put(key, encoder.encode(Entry(state="done", digest=digest, reply=msgspec.Raw(_error_reply(note)))))
-            except Exception:
+            except Exception:  # the caller gets `note`; a retry waits out the claim: never a second run
                 pass
 
     async def _wait(self, key: str, request_id: str, digest: str) -> bytes | None:

@@ -147,7 +147,7 @@ class Scheduler:
             t.cancel()
         try:
             await self.watcher.stop()
-        except Exception:
+        except Exception:  # shutting down: a watcher that fails to stop is dropped with the connection
             pass
         await self.nc.drain()
         logs.kv(log, logging.INFO, "scheduler stopped")
@@ -189,7 +189,7 @@ class Scheduler:
             try:  # a plain publish into the bucket's stream: waiting for each ack here would queue
                 # the heartbeats behind KV round trips until nodes looked stale (and were declared lost)
                 await self.nc.publish(subjects.kv_key(subjects.KV_NODES, hb.node), msg.data)
-            except Exception:
+            except Exception:  # the node heartbeats again in 50 ms, and that publish writes the entry
                 pass
 
     async def _lost_node_loop(self) -> None:
@@ -223,8 +223,8 @@ class Scheduler:
                          "reason": f"node {node} stopped heartbeating"}))
                     try:
                         await self.kv_placements.delete(info.id)
-                    except Exception:
-                        pass
+                    except Exception as e:
+                        logs.kv(log, logging.WARNING, "placement not deleted", sandbox=info.id, error=repr(e))
                 await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
 
     async def _watch_quotas(self) -> None:
@@ -381,8 +381,8 @@ class Scheduler:
         except BaseException:
             try:
                 await self.kv_requests.delete(key)  # let a retry try again
-            except Exception:
-                pass
+            except Exception as e:
+                logs.kv(log, logging.WARNING, "request entry not deleted: a retry waits for it to expire", request=key, error=repr(e))
             raise
 
     async def _existing(self, key: str, request_id: str) -> SandboxInfo:

@@ -179,7 +179,7 @@ class Loader:
         await self.pool.stop()
         try:
             await self.nc.drain()
-        except Exception:
+        except Exception:  # shutting down: a connection already closed has nothing to drain
             pass
         for layer in self.layers.values():
             layer.close()

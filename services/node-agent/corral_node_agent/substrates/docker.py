@@ -683,7 +683,7 @@ class _Bridge:
                         view = view[n:]
                     except BlockingIOError:
                         await asyncio.sleep(0.001)
-        except (OSError, asyncio.CancelledError, Exception):
+        except (OSError, asyncio.CancelledError, Exception):  # the exec ended or closed its stdin (or was cancelled): the rest has no reader
             pass
         finally:
             for fd in (self._out_w, self._err_w):
