@@ -30,6 +30,7 @@ demo: setup
 	$(VENV)/bin/corral demo
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

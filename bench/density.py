@@ -42,7 +42,6 @@ sys.path.insert(0, REPO)
 
 from corral_sdk import AsyncClient  # noqa: E402
 from corral_sdk.stack import Stack, free_port  # noqa: E402
-
 from tests import leaks  # noqa: E402
 
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")

@@ -62,10 +62,10 @@ import time
 import traceback
 from typing import Any
 
+from bench._common import log, pyplot
 from corral_common import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
-from bench._common import log, pyplot
 from tests.dockerd import docker_ok, start_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -49,6 +49,7 @@ import tempfile
 import time
 import urllib.request
 from typing import Any
+
 from bench._common import log, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))

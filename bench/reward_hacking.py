@@ -131,7 +131,8 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 async def run(args, res: dict[str, Any]) -> None:
-    from bench.hacks import corpus, envs as benv
+    from bench.hacks import corpus
+    from bench.hacks import envs as benv
     from corral_sdk.client import AsyncClient
     from corral_sdk.stack import Stack, free_port
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from bench._common import log, pyplot, stats
 from tests.dockerd import start_dockerd
 

@@ -24,8 +24,8 @@ from corral_common.messages import SandboxInfo, encoder
 from corral_sdk.stack import Stack, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.simnode import SimNode  # noqa: E402
 from bench._common import pyplot, save
+from tests.simnode import SimNode  # noqa: E402
 
 
 class _Reply(msgspec.Struct):

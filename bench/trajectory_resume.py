@@ -15,10 +15,10 @@ import sys
 import tempfile
 import time
 
+from bench._common import pyplot, save
 from corral_common import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
-from bench._common import pyplot, save
 
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
 

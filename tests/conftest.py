@@ -15,7 +15,6 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import nats
-import pytest
 import pytest_asyncio
 
 from corral_sdk import AsyncClient

@@ -16,7 +16,17 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from corral_common import bus, subjects
 from corral_common.messages import (
-    ErrorBody, Heartbeat, NodeCapacity, NodeCreate, NodeCreateBatch, NodeItemResult, NodeUsage, SandboxInfo, encoder, error, ok,
+    ErrorBody,
+    Heartbeat,
+    NodeCapacity,
+    NodeCreate,
+    NodeCreateBatch,
+    NodeItemResult,
+    NodeUsage,
+    SandboxInfo,
+    encoder,
+    error,
+    ok,
 )
 
 _batch_decoder = msgspec.json.Decoder(NodeCreateBatch)

@@ -17,8 +17,8 @@ import nats
 import pytest
 
 from corral_common import subjects
-from corral_sdk import AsyncClient
 from corral_scheduler.batch import item_id
+from corral_sdk import AsyncClient
 
 from ..conftest import make_stack
 from ..simnode import SimNode

@@ -11,11 +11,11 @@ import subprocess
 
 import nats
 
+from corral_common import subjects
 from corral_sdk import AsyncClient
 
 from ..conftest import make_stack, running_stack
 from ..leaks import assert_clean, cgroup_parent, cgroups_under, mounts_under
-from corral_common import subjects
 
 
 async def _wait_node(url: str, node: str, timeout: float = 30) -> None:

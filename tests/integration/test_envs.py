@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from corral_common import subjects, labels
+from corral_common import labels, subjects
 from corral_common.envs import EnvSpec, GitPin, Solution
 from corral_common.errors import Conflict, InvalidRequest, NotFound
 from corral_sdk import demo_env

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from .test_audit_sources import Watch
 from corral_common import subjects
+
+from .test_audit_sources import Watch
 
 
 def _ops(w: Watch) -> set[tuple[str, str]]:

@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 
-from corral_common.layers import KV_IMAGES
 from corral_common import subjects
+from corral_common.layers import KV_IMAGES
 
 
 async def call(nc, op: str, body: dict, timeout: float = 120) -> dict:

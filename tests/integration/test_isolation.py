@@ -5,8 +5,8 @@ Every check asserts on observable state; nothing here is skipped when a feature 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import glob
+import hashlib
 import os
 import re
 import secrets

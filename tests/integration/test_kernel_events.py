@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .test_audit_sources import Watch
 from corral_common import subjects
+
+from .test_audit_sources import Watch
 
 PY = "debian"
 

@@ -4,8 +4,8 @@ its FUSE files are mounted as EROFS (file-backed, mount(2)) and read through the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -25,10 +25,10 @@ import pytest
 import pytest_asyncio
 from nats.js.api import DeliverPolicy
 
+from corral_common import subjects
 from corral_common.audit import AuditBatch
 from corral_common.bus import ensure_streams
 from corral_common.layers import Catalog, DirBackend, ImageManifest, LayerManifest, ObjectStoreBackend, build_layer
-from corral_common import subjects
 from corral_sdk.stack import free_port, nats_server_binary
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),

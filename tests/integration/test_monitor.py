@@ -24,10 +24,9 @@ import urllib.request
 
 import msgspec
 import nats
-import pytest
 import pytest_asyncio
 
-from corral_common import subjects, labels
+from corral_common import labels, subjects
 from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
 
 from ..conftest import running_stack
@@ -504,7 +503,7 @@ async def test_kill_9_mid_stream_loses_and_duplicates_nothing(mstack, mnc):
         c = await _counts(mnc, job)
         return c[0] >= n_total and c
 
-    c = await wait_for(complete, 60, interval=0.5, what=f"{n_total} events in ClickHouse")
+    await wait_for(complete, 60, interval=0.5, what=f"{n_total} events in ClickHouse")
     await asyncio.sleep(1.0)
     assert await _counts(mnc, job) == (n_total,) * 5
 

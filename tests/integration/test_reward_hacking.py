@@ -12,7 +12,8 @@ import pytest_asyncio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.hacks import corpus, envs as benv  # noqa: E402
+from bench.hacks import corpus  # noqa: E402
+from bench.hacks import envs as benv
 
 ENVS = [benv.DEMO, benv.AUTHORED]
 

@@ -9,7 +9,6 @@ cannot run here the docker cases FAIL with the reason: they are never skipped.""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import glob
 import json
@@ -27,9 +26,9 @@ import nats
 import pytest
 import pytest_asyncio
 
-from corral_common.messages import ExecResult
 from corral_common import subjects
 from corral_common.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE
+from corral_common.messages import ExecResult
 from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound, RemoteError, Timeout
 
 from .. import leaks

@@ -13,12 +13,12 @@ import tempfile
 
 import nats
 
+from corral_common import subjects
 from corral_sdk import AsyncClient, Client
 from corral_sdk.stack import free_port
 
 from ..conftest import IMAGE_DIR
 from ..leaks import assert_clean, inits_of_node, processes_with
-from corral_common import subjects
 
 
 async def _claim_reason(url: str) -> str:

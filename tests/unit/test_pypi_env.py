@@ -4,7 +4,6 @@ pass the package's own tests, their wrong fixes do not)."""
 from __future__ import annotations
 
 import io
-import os
 import tarfile
 
 import pytest

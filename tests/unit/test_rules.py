@@ -5,11 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from corral_common import labels, subjects
 from corral_common.audit import AuditEvent, event_id
-from corral_common import subjects, labels
 from corral_monitor import rules
-from corral_monitor.rules import RuleContext
-from corral_monitor.rules import shell
+from corral_monitor.rules import RuleContext, shell
 
 
 def ex(cmd: str, cwd: str = "/repo", exit_code: int = 0, **kw) -> AuditEvent:

@@ -13,10 +13,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from . import labels
 from .audit import AlertSummary
 from .errors import InvalidRequest
 from .messages import LabelMap, Request
-from . import labels
 
 ENV_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 EnvName = Annotated[str, Meta(pattern=ENV_NAME_RE.pattern)]

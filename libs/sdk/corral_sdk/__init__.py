@@ -5,7 +5,15 @@
             r = await sb.exec("python3 -c 'print(6*7)'")
 """
 from corral_common.errors import (
-    Capacity, Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Timeout, Unavailable,
+    Capacity,
+    Conflict,
+    CorralError,
+    Forbidden,
+    Internal,
+    InvalidRequest,
+    NotFound,
+    Timeout,
+    Unavailable,
 )
 from corral_common.messages import ExecChunk, ExecResult, SandboxInfo, SandboxSpec
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from corral_common.audit import Alert
 from corral_common import subjects
+from corral_common.audit import Alert
 
 if TYPE_CHECKING:
     from .client import AsyncClient

@@ -361,9 +361,11 @@ def demo(
 
 
 from .cli_monitor import register as _register_monitor  # noqa: E402  (alerts, report, monitor)
+
 _register_monitor(app, PASSTHROUGH)
 
 from .cli_envs import register as _register_envs  # noqa: E402  (env build|ls|show|grade|rm, env-builder)
+
 _register_envs(app, PASSTHROUGH)
 
 from .cli_substrates import register as _register_substrates  # noqa: E402  (run, image export/import-docker)

@@ -18,9 +18,21 @@ from nats.errors import TimeoutError as NatsTimeout
 from corral_common import config, subjects
 from corral_common.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable, from_code
 from corral_common.messages import (
-    AuditState, BatchProgress, ChangesReply, ChangesRequest, CreateBatchRequest, ExecChunk, ExecRequest, ExecResult, FileContent, ListRequest, SandboxInfo, SandboxSpec, encoder, new_id,
+    AuditState,
+    BatchProgress,
+    ChangesReply,
+    ChangesRequest,
+    CreateBatchRequest,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileContent,
+    ListRequest,
+    SandboxInfo,
+    SandboxSpec,
+    encoder,
+    new_id,
 )
-
 
 _T = TypeVar("_T")
 

@@ -12,8 +12,17 @@ import msgspec
 
 from corral_common import subjects
 from corral_common.envs import (
-    ENV_LABEL, ENV_VERSION_LABEL, EnvBuildRequest, EnvBuildResult, EnvGradeRequest, EnvGradeResult, EnvListRequest, EnvProgress,
-    EnvRecord, EnvRef, EnvSpec,
+    ENV_LABEL,
+    ENV_VERSION_LABEL,
+    EnvBuildRequest,
+    EnvBuildResult,
+    EnvGradeRequest,
+    EnvGradeResult,
+    EnvListRequest,
+    EnvProgress,
+    EnvRecord,
+    EnvRef,
+    EnvSpec,
 )
 from corral_common.messages import SandboxSpec, encoder
 

@@ -16,8 +16,8 @@ workdir)."""
 from __future__ import annotations
 
 import ast
-import fnmatch
 import dataclasses
+import fnmatch
 import json
 import os
 import re

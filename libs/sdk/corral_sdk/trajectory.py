@@ -127,7 +127,7 @@ class Trajectory:
                 # its node may have died: the scheduler declares it lost within seconds
                 if asyncio.get_running_loop().time() > deadline:
                     raise
-        
+
         # the sandbox is gone: a new one from the last snapshot, then the node re-runs the rest
         image = meta.snapshots[-1].image if meta.snapshots else meta.spec.image
         sb = await self.client.create_spec(msgspec.structs.replace(meta.spec, image=image, request_id=""))

@@ -8,9 +8,17 @@ import time
 
 import msgspec
 
-from corral_common import subjects, labels
+from corral_common import labels, subjects
 from corral_common.envs import (
-    ENV_LABEL, ENV_VERSION_LABEL, CheckResult, EnvBuildResult, EnvRecord, EnvSpec, ProtectedFile, VerifyReport, digest,
+    ENV_LABEL,
+    ENV_VERSION_LABEL,
+    CheckResult,
+    EnvBuildResult,
+    EnvRecord,
+    EnvSpec,
+    ProtectedFile,
+    VerifyReport,
+    digest,
     spec_digest,
 )
 from corral_common.errors import CorralError, InvalidRequest, NotFound

@@ -20,13 +20,17 @@ import io
 import re
 import tarfile
 import time
-
 from dataclasses import dataclass
 
-from corral_common import subjects, labels
+from corral_common import labels, subjects
 from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
 from corral_common.envs import (
-    ENV_LABEL, ENV_VERSION_LABEL, SEVERITY_RANK, EnvGradeRequest, EnvGradeResult, TestOutcome,
+    ENV_LABEL,
+    ENV_VERSION_LABEL,
+    SEVERITY_RANK,
+    EnvGradeRequest,
+    EnvGradeResult,
+    TestOutcome,
 )
 from corral_common.errors import InvalidRequest, Unavailable
 from corral_common.messages import AuditState, ExecResult, SandboxSpec, encoder

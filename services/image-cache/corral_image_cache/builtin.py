@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Callable, Iterator
 
-from corral_common.errors import InvalidRequest, NotFound, Internal
+from corral_common.errors import Internal, InvalidRequest, NotFound
 
 DEFAULT_ROOT = "/var/lib/corral/images"
 DEBIAN_SUITE = "bookworm"
@@ -621,11 +621,11 @@ def build_debian(rootfs: str, progress: Progress | None = None) -> str:
         raise
     if rc != 0:
         msg = [f"debootstrap {' '.join(args)} {mirror} failed with exit status {rc}; last output:"]
-        msg += ["  " + l for l in tail]
+        msg += ["  " + line for line in tail]
         log = _tail(os.path.join(rootfs, "debootstrap", "debootstrap.log"), 15)
         if log:
             msg.append("tail of debootstrap.log:")
-            msg += ["  " + l.rstrip("\n") for l in log]
+            msg += ["  " + line.rstrip("\n") for line in log]
         raise Internal("\n".join(msg))
     if progress:
         progress("cleaning apt caches", 0.99)
@@ -654,8 +654,8 @@ def _human(n: int) -> str:
 
 def _cmd_build(store: ImageStore, name: str) -> int:
     from rich.console import Console
-    from rich.progress import (BarColumn, Progress as Bar, SpinnerColumn, TaskProgressColumn, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import BarColumn, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
 
     console = Console(stderr=True)
     t0 = time.monotonic()

@@ -16,8 +16,18 @@ from nats.aio.msg import Msg
 from corral_common import bus, logs, metrics, subjects
 from corral_common.errors import InvalidRequest, NotFound
 from corral_common.layers import (
-    Catalog, ChunkBackend, ImageManifest, ImportRequest, LayerManifest, LayerSummary, NameRequest, backend_from_url,
-    build_layer, check_chunk_size, check_image_name, chunk_layer_file,
+    Catalog,
+    ChunkBackend,
+    ImageManifest,
+    ImportRequest,
+    LayerManifest,
+    LayerSummary,
+    NameRequest,
+    backend_from_url,
+    build_layer,
+    check_chunk_size,
+    check_image_name,
+    chunk_layer_file,
 )
 from corral_common.messages import Empty, ok
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from corral_common import metrics, labels
+from corral_common import labels, metrics
 from corral_common.audit import Alert, AuditEvent
 
 from .alerts import AlertManager, alert_id

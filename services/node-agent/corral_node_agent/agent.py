@@ -8,43 +8,67 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 import codecs
 import logging
 import os
 import shlex
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from corral_common import bus, logs, metrics, subjects
-from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
 from corral_common.audit import AuditEvent, event_id
 from corral_common.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
-from corral_common.messages import NodeRun, SandboxSpec, new_id
+from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
 from corral_common.messages import (
-    AuditState, ChangesRequest, Event, ExecChunk, ExecRequest, ExecResult, FileContent, FileReadRequest, FileWriteRequest, Heartbeat,
-    NodeCapacity, NodeCreate, NodeUsage, RenewRequest, RestoreRequest, SandboxInfo, SnapshotRequest, TrajListRequest,
-    TrajGetRequest, TrajMeta, TrajOpenRequest, TrajRef, encoder, ok,
+    AuditState,
+    ChangesRequest,
+    Event,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileContent,
+    FileReadRequest,
+    FileWriteRequest,
+    Heartbeat,
+    NodeCapacity,
+    NodeCreate,
+    NodeRun,
+    NodeUsage,
+    RenewRequest,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotRequest,
+    TrajGetRequest,
+    TrajListRequest,
+    TrajMeta,
+    TrajOpenRequest,
+    TrajRef,
+    encoder,
+    new_id,
+    ok,
 )
 
-from .audit_fanotify import FileAudit, norm as _norm_path
 from . import confine
+from .audit_fanotify import FileAudit
+from .audit_fanotify import norm as _norm_path
 from .audit_files import FileActivity
 from .audit_seccomp import SeccompListener, comm_of
 from .auditlog import AuditLog
 from .batchcreate import BatchCreate, clean_claims
 from .claim import claim_placement
 from .layermounts import LayerMounts
-from .trajectory import TrajectoryLog
-from .usage import Observed, UsageTracker
-from .warmpool import PoolConfig, WarmPool
 from .substrates import REGISTRY, Substrate
 from .substrates.base import Sandbox
 from .substrates.container import ContainerSubstrate
+from .trajectory import TrajectoryLog
+from .usage import Observed, UsageTracker
+from .warmpool import PoolConfig, WarmPool
 
 log = logging.getLogger("corral.node")
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from corral_common import metrics
 
-from .audit_fanotify import FAN_CLOEXEC, FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_NONBLOCK, FAN_NOFD, FAN_ONDIR, METADATA, O_LARGEFILE, _libc
+from .audit_fanotify import FAN_CLOEXEC, FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_NOFD, FAN_NONBLOCK, FAN_ONDIR, METADATA, O_LARGEFILE, _libc
 
 log = logging.getLogger("corral.node.files")
 

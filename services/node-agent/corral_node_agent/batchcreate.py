@@ -24,7 +24,7 @@ import time
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from corral_common import bus, logs, metrics, subjects
+from corral_common import bus, logs, metrics
 from corral_common.errors import CorralError
 from corral_common.messages import Event, NodeCreate, NodeCreateBatch, SandboxInfo, encoder, error, ok
 

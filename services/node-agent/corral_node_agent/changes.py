@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import io
 import os
 import posixpath
 import stat

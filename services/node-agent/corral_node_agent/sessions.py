@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Awaitable, Callable
 
 from .aio import read_chunk
-from .output import ChunkCallback, Capture
+from .output import Capture, ChunkCallback
 
 
 class SessionResult:

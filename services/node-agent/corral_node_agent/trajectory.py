@@ -14,10 +14,10 @@ that owns its sandbox, so concurrent retries of a step run it once and the other
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from nats.js import JetStreamContext

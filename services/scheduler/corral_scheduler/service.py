@@ -17,8 +17,20 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from corral_common import bus, logs, metrics, subjects
 from corral_common.errors import Capacity, Code, Conflict, CorralError, InvalidRequest, NotFound, Unavailable, from_code
 from corral_common.messages import (
-    CreateBatchRequest, ErrorBody, Heartbeat, ListRequest, NodeCreate, NodeCreateBatch, NodeItemResult, NodeRun, RunRequest,
-    SandboxInfo, SandboxSpec, encoder, new_id, ok,
+    CreateBatchRequest,
+    ErrorBody,
+    Heartbeat,
+    ListRequest,
+    NodeCreate,
+    NodeCreateBatch,
+    NodeItemResult,
+    NodeRun,
+    RunRequest,
+    SandboxInfo,
+    SandboxSpec,
+    encoder,
+    new_id,
+    ok,
 )
 
 from . import batch, placement

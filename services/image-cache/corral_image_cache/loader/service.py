@@ -27,7 +27,15 @@ from corral_common import bus, logs, metrics, subjects
 from corral_common.audit import AuditBatch, AuditEvent, event_id
 from corral_common.errors import Conflict, CorralError, Internal, InvalidRequest, NotFound
 from corral_common.layers import (
-    DIGEST, Catalog, LayerManifest, LoaderEvict, LoaderPrepare, LoaderRelease, Trace, TraceRead, backend_from_url,
+    DIGEST,
+    Catalog,
+    LayerManifest,
+    LoaderEvict,
+    LoaderPrepare,
+    LoaderRelease,
+    Trace,
+    TraceRead,
+    backend_from_url,
     check_image_name,
 )
 from corral_common.messages import encoder, ok

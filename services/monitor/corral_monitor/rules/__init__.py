@@ -45,9 +45,24 @@ def describe() -> list[dict[str, str]]:
 
 # importing a module registers its rules
 from . import (  # noqa: E402,F401
-    audit_incomplete, canary, denial_burst, denied_syscall, fork_bomb, git_history, handle_blockmap, kill_foreign, mass_deletion,
-    mass_file_rewrite, memory_bomb, network_egress, proc_snooping, protected_paths, ptrace, raw_device,
-    site_packages, test_tampering,
+    audit_incomplete,
+    canary,
+    denial_burst,
+    denied_syscall,
+    fork_bomb,
+    git_history,
+    handle_blockmap,
+    kill_foreign,
+    mass_deletion,
+    mass_file_rewrite,
+    memory_bomb,
+    network_egress,
+    proc_snooping,
+    protected_paths,
+    ptrace,
+    raw_device,
+    site_packages,
+    test_tampering,
 )
 
 __all__ = ["REGISTRY", "SQL_REGISTRY", "Rule", "RuleContext", "SqlRule", "build", "build_sql", "describe", "register", "register_sql"]

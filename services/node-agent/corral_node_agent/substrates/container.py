@@ -22,8 +22,8 @@ import hashlib
 import json
 import logging
 import os
-import select
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -32,10 +32,9 @@ import time
 
 import msgspec
 
+from corral_common import linux
 from corral_common.errors import Code, Conflict, CorralError, Internal, InvalidRequest, Unavailable
 from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
-
-from corral_common import linux
 
 from .. import cgroups, confine, initclient, masks, oci
 from ..initbin import ensure_init_binary

@@ -52,8 +52,8 @@ from corral_common.errors import Internal, InvalidRequest, Unavailable
 from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, confine, oci
-from ..layermounts import LayerMounts
 from ..aio import wait_readable as _wait_readable
+from ..layermounts import LayerMounts
 from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
 from .common import result_stderr
