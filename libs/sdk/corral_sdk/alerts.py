@@ -55,7 +55,7 @@ class AlertSubscription:
             if min_severity not in SEVERITIES:
                 raise ValueError(f"min_severity must be one of {SEVERITIES}")
             sev = list(SEVERITIES[SEVERITIES.index(min_severity):])
-        self.subjects = [f"{ALERTS_PREFIX}.{s}.{r}" for s in sev for r in _token(rule)]
+        self.subjects = [subjects.alert(s, r) for s in sev for r in _token(rule)]
         self._queue: asyncio.Queue[Alert | None] = asyncio.Queue()
         self._subs: list[Any] = []
         self._seen: set[str] = set()
