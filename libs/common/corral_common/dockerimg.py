@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 
-from . import linux
+from . import extras, linux
 from .errors import Internal, InvalidRequest, NotFound, Unavailable
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
@@ -29,7 +29,7 @@ def docker_host() -> str:
 
 async def connect(url: str | None = None, timeout: float = 5.0):
     """An aiodocker client that answered `version`, or Unavailable saying why not."""
-    import aiodocker
+    aiodocker = extras.require("aiodocker", "docker", "Docker Engine access")
 
     host = url or docker_host()
     try:

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config, subjects
+from corral_common import config, extras, subjects
 from corral_common.errors import CorralError, from_code
 
 QUERY_SUBJECT = subjects.MONITOR_QUERY
@@ -72,8 +72,7 @@ class Querier:
 
     async def __aenter__(self) -> Querier:
         if self.clickhouse:
-            import clickhouse_connect
-
+            clickhouse_connect = extras.require("clickhouse_connect", "services", "querying ClickHouse directly (--clickhouse)")
             self._ch = await asyncio.to_thread(clickhouse_connect.get_client, dsn=self.clickhouse)
         else:
             import nats
@@ -275,8 +274,7 @@ async def build_report(q: Querier, job: str, since: float | None = None) -> dict
 
 
 def plot_report(data: dict[str, Any], path: str) -> None:
-    import matplotlib
-
+    matplotlib = extras.require("matplotlib", "bench", "the report's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from corral_common import extras
 from corral_common.errors import CorralError
 
 from .client import AsyncClient
@@ -199,8 +200,7 @@ def _print_policies(per: list[dict], console: Console) -> None:
 
 
 def _plot(per: list[dict], summary: dict, path: str) -> None:
-    import matplotlib
-
+    matplotlib = extras.require("matplotlib", "bench", "the demo's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

