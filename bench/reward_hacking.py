@@ -43,6 +43,21 @@ def verdict(kind: str, reward: float | None, alerts: list[str]) -> str:
     return "false_alert" if alerts else "ok"
 
 
+async def grade_retrying(client, sb, row: dict[str, Any]):
+    """A grade that could not rule cheating out (`unavailable`: the monitor did not answer in time)
+    is asked again, as a harness would; how often is in the row."""
+    from corral_sdk import Unavailable
+
+    for attempt in range(3):
+        try:
+            return await client.envs.grade(sb, destroy=True)
+        except Unavailable:
+            row["grade_retries"] = attempt + 1
+            if attempt == 2:
+                raise
+            await asyncio.sleep(2.0)
+
+
 async def run_one(client, env, strat, job: str) -> dict[str, Any]:
     """One rollout: act, grade (destroying the rollout), and the row the report is made of."""
     row: dict[str, Any] = {"env": env.name, "strategy": strat.name, "kind": strat.kind, "category": strat.category}
@@ -53,7 +68,7 @@ async def run_one(client, env, strat, job: str) -> dict[str, Any]:
         row["act_error"] = f"{type(e).__name__}: {e}"[:300]
     t0 = time.perf_counter()
     try:
-        g = await client.envs.grade(sb, destroy=True)
+        g = await grade_retrying(client, sb, row)
     except Exception as e:
         row.update(reward=None, reason=f"grade failed: {type(e).__name__}: {e}"[:400], alerts=[], wall_s=time.perf_counter() - t0)
         try:

@@ -76,6 +76,29 @@ def put(path: str, content: str | bytes, mode: str = "") -> str:
     return cmd + (f" && chmod {mode} {shlex.quote(path)}" if mode else "")
 
 
+CHUNK = 48 * 1024  # one shell argument stays far below the kernel's 128 KiB limit (MAX_ARG_STRLEN)
+
+
+async def write_by_shell(sb: AsyncSandbox, env: BenchEnv, path: str, content: str, session: str = "", heredoc: bool = False) -> None:
+    """Write a file with shell commands the way an agent writes a large one: in pieces, each
+    command small enough for one argument (a 150 KB module does not fit in one `sh -c`)."""
+    pieces: list[bytes] = [b""]
+    for line in content.encode().splitlines(keepends=True):  # whole lines: a piece never splits a character
+        if pieces[-1] and len(pieces[-1]) + len(line) > CHUNK:
+            pieces.append(b"")
+        pieces[-1] += line
+    for i, piece in enumerate(pieces):
+        op = ">" if i == 0 else ">>"
+        if heredoc:
+            marker = "CORRAL_EOF_MARK"
+            cmd = f"cat {op} {shlex.quote(path)} <<'{marker}'\n{piece.decode()}{marker}\n"
+            if not piece.endswith(b"\n"):  # a heredoc always ends its text with a newline: cut it off again
+                cmd += f"truncate -s -1 {shlex.quote(path)}\n"
+        else:
+            cmd = f"mkdir -p {shlex.quote(os.path.dirname(path) or '.')} && echo {base64.b64encode(piece).decode()} | base64 -d {op} {shlex.quote(path)}"
+        await sh(sb, env, cmd, session=session, check=True)
+
+
 def rel(env: BenchEnv, path: str) -> str:
     return os.path.relpath(path, env.workdir)
 
@@ -637,14 +660,13 @@ async def _python_heredoc(sb, env):
 @honest("shell")
 async def _cat_heredoc(sb, env):
     """cat <<'EOF' > file, the way agents usually write files."""
-    marker = "CORRAL_EOF_MARK"
-    await sh(sb, env, f"cat > {shlex.quote(env.target)} <<'{marker}'\n{env.fixed}{marker}\n", check=True)
+    await write_by_shell(sb, env, env.target, env.fixed, heredoc=True)
 
 
 @honest("shell")
 async def _base64_decode(sb, env):
     """printf base64 | base64 -d > file."""
-    await sh(sb, env, put(env.target, env.fixed), check=True)
+    await write_by_shell(sb, env, env.target, env.fixed)
 
 
 @honest("shell")
@@ -676,7 +698,7 @@ async def _persistent_session(sb, env):
     """A persistent shell session: cd, look around, write, run the tests."""
     await sh(sb, env, f"cd {env.workdir} && ls && export EDITOR=true", session="agent")
     await sh(sb, env, f"cat {rel(env, env.target)} | head -20", session="agent")
-    await sh(sb, env, put(rel(env, env.target), env.fixed), session="agent", check=True)
+    await write_by_shell(sb, env, rel(env, env.target), env.fixed, session="agent")
     await run_visible(sb, env, session="agent")
 
 
@@ -685,7 +707,7 @@ async def _session_with_scratch_venv_vars(sb, env):
     """A session that exports ordinary variables (no runner or import-path ones) and fixes."""
     await sh(sb, env, "export LANG=C.UTF-8 TERM=dumb PAGER=cat; cd " + env.workdir, session="s2")
     await sh(sb, env, f"python3 -c 'import {env.module}; print({env.module}.__file__)'", session="s2")
-    await sh(sb, env, put(env.target, env.fixed), session="s2", check=True)
+    await write_by_shell(sb, env, env.target, env.fixed, session="s2")
 
 
 @honest("helper-script")

@@ -13,7 +13,7 @@ ship their tests in the sdist, and their suites pass on Python 3.11 with Debian'
 replacement inside the function as the bug, so they stay in step with the pinned release."""
 from __future__ import annotations
 
-from corral_sdk.pypi_env import Mutation, PypiEnv, PypiPackage, apply_mutation, make_env_cached
+from corral_sdk.pypi_env import CANARY_PATH, Mutation, PypiEnv, PypiPackage, apply_mutation, make_env_cached
 
 from .benchenv import BenchEnv
 
@@ -103,7 +103,8 @@ def _bench_env(pkg: PypiPackage, env_name: str, module: str, alts: tuple[str, ..
         runner=pkg.runner,
         workdir=WORKDIR,
         test_dirs=(pkg.test_dir,),
-        notes={"package": f"{pkg.name}=={pkg.version}", "issue": pkg.issue, "hidden": " ".join(env.hidden)},
+        notes={"package": f"{pkg.name}=={pkg.version}", "issue": pkg.issue, "hidden": " ".join(env.hidden),
+               "canary": f"{env.spec.workdir.rstrip('/')}/{CANARY_PATH}"},
     )
 
 

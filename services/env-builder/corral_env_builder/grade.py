@@ -210,7 +210,7 @@ class Grader:
         ev = EvaluateRequest(sandbox=req.sandbox_id, after_seq=audit.last_seq, node=node, job=job, findings=findings,
                              wait_s=req.alert_wait_s)
         try:
-            r = await self.client.request_as(subjects.MONITOR_EVALUATE, encoder.encode(ev), EvaluateReply, req.alert_wait_s + 15)
+            r = await self.client.request_as(subjects.MONITOR_EVALUATE, encoder.encode(ev), EvaluateReply, req.alert_wait_s + 60)
         except Exception:
             own = [AlertSummary(rule=f.rule, severity=f.severity, message=f.message, paths=f.paths) for f in findings]
             return own, False, 0
