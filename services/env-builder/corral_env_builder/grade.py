@@ -22,6 +22,8 @@ import tarfile
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from corral_common import labels, subjects
 from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
 from corral_common.envs import (
@@ -32,7 +34,7 @@ from corral_common.envs import (
     EnvGradeResult,
     TestOutcome,
 )
-from corral_common.errors import InvalidRequest, Unavailable
+from corral_common.errors import CorralError, Internal, InvalidRequest, Timeout, Unavailable
 from corral_common.messages import AuditState, ExecResult, SandboxSpec, encoder
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
@@ -41,6 +43,7 @@ from .catalog import EnvCatalog, StoredEnv
 
 SANDBOX_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_LISTED = 200  # discarded paths named in a grade (the count is always complete)
+MAX_FINDING = 4000  # a finding's message on the bus (Finding.message allows 4096)
 INCLUDE_BATCH = 256  # paths per packing request (ChangesRequest.include)
 
 
@@ -207,14 +210,21 @@ class Grader:
 
     async def _evaluate(self, req: EnvGradeRequest, node: str, job: str, audit: AuditState,
                         findings: list[Finding]) -> tuple[list[AlertSummary], bool, int]:
+        findings = [msgspec.structs.replace(f, message=_clip(f.message, MAX_FINDING), paths=f.paths[:64]) for f in findings]
         ev = EvaluateRequest(sandbox=req.sandbox_id, after_seq=audit.last_seq, node=node, job=job, findings=findings,
                              wait_s=req.alert_wait_s)
         try:
             r = await self.client.request_as(subjects.MONITOR_EVALUATE, encoder.encode(ev), EvaluateReply, req.alert_wait_s + 60)
-        except Exception:
+        except (Timeout, Unavailable):  # no monitor, or none in time: the caller decides (require_monitor)
             own = [AlertSummary(rule=f.rule, severity=f.severity, message=f.message, paths=f.paths) for f in findings]
             return own, False, 0
+        except CorralError as e:  # the grader's own request was refused: a defect here, never the caller's fault
+            raise Internal(f"the monitor refused the grader's evaluation of {req.sandbox_id}: {e}") from None
         return r.alerts, r.complete, r.lost
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 20] + " ... (cut)"
 
 
 def _judge_tests(env: StoredEnv, report: testrun.RunReport | None, r: ExecResult) -> tuple[list[TestOutcome], bool, str]:
