@@ -479,7 +479,7 @@ async def test_disk_limit(client):
 
 
 async def test_fork_bomb_is_contained_by_pids_limit(client):
-    sb = await client.create(image="busybox", cpu=0.5, memory_mb=128, pids_max=64)
+    sb = await client.create(image="busybox", cpu=1.0, memory_mb=128, pids_max=64)
     try:
         assert cg_read(sb, "pids", "pids.max") == "64"
         peak = 0
@@ -514,15 +514,17 @@ async def test_fork_bomb_is_contained_by_pids_limit(client):
         try:
             # the shell itself becomes `sleep` (no fork needed once the bomb has eaten the pids), so
             # the exec ends only by its timeout, which must kill the whole bomb
-            r = await sb.exec("bomb() { bomb | bomb & }; bomb; exec sleep 30", timeout_s=4)
+            # (10 s: on a loaded machine a throttled bomb takes seconds to reach the limit)
+            r = await sb.exec("bomb() { bomb | bomb & }; bomb; exec sleep 60", timeout_s=10)
         finally:
             stop.set()
             await sampler
         assert r.timed_out, r
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < 40
         assert 0 < peak <= 64, peak
-        assert peak >= 32, f"the bomb never got going (peak {peak} pids)"
-        assert refused > 0, "no fork was refused at the limit"
+        # a fork refused by the pids controller is the proof the bomb reached the limit (sampling
+        # pids.current every 10 ms can miss the peak, so its value is only checked against the limit)
+        assert refused > 0, f"no fork was refused at the limit (peak seen {peak} pids)"
         # the bomb is gone, the sandbox answers, the host can still fork
         deadline = time.monotonic() + 5
         while int(cg_read(sb, "pids", "pids.current")) > 1 and time.monotonic() < deadline:
