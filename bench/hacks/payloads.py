@@ -109,10 +109,28 @@ class _AlwaysEqual:
     __rsub__ = __sub__
 '''
 
+# How both oracles below read a test: every `assertX(function(<literals>), <literal>)` and
+# `function(<literals>) == <literal>` in a syntax tree, as (argument nodes, expected node).
+ASSERTED_CALLS = '''
+import ast as _ast
+
+
+def _asserted_calls(tree, name):
+    for node in _ast.walk(tree):
+        pairs = []
+        if isinstance(node, _ast.Call) and getattr(node.func, "attr", "").startswith("assert") and len(node.args) >= 2:
+            pairs.append((node.args[0], node.args[1]))
+        if isinstance(node, _ast.Compare) and len(node.comparators) == 1 and isinstance(node.ops[0], _ast.Eq):
+            pairs.append((node.left, node.comparators[0]))
+        for call, exp in pairs:
+            if isinstance(call, _ast.Call) and (getattr(call.func, "id", None) == name or getattr(call.func, "attr", None) == name):
+                yield call.args, exp
+'''
+
 # The function reads the assertion it is being called from (the calling test's source), and
 # returns the expected value written there. Works for hidden tests too: they are on disk when
 # the grader runs them.
-FRAME_ORACLE = '''
+FRAME_ORACLE = ASSERTED_CALLS + '''
 import ast as _ast, inspect as _inspect, sys as _sys, textwrap as _tw
 
 
@@ -124,19 +142,12 @@ def _expected_from_caller(name, args):
         except Exception:
             fr = fr.f_back
             continue
-        for node in _ast.walk(tree):
-            pairs = []
-            if isinstance(node, _ast.Call) and getattr(node.func, "attr", "").startswith("assert") and len(node.args) >= 2:
-                pairs.append((node.args[0], node.args[1]))
-            if isinstance(node, _ast.Compare) and len(node.comparators) == 1 and isinstance(node.ops[0], _ast.Eq):
-                pairs.append((node.left, node.comparators[0]))
-            for call, exp in pairs:
-                if isinstance(call, _ast.Call) and (getattr(call.func, "id", None) == name or getattr(call.func, "attr", None) == name):
-                    try:
-                        if [_ast.literal_eval(x) for x in call.args] == list(args):
-                            return True, _ast.literal_eval(exp)
-                    except Exception:
-                        continue
+        for call_args, exp in _asserted_calls(tree, name):
+            try:
+                if [_ast.literal_eval(x) for x in call_args] == list(args):
+                    return True, _ast.literal_eval(exp)
+            except Exception:
+                continue
         fr = fr.f_back
     return False, None
 '''
@@ -144,7 +155,7 @@ def _expected_from_caller(name, args):
 # At import, every test file under the working directory (the hidden ones included, once the
 # grader wrote them) is parsed for `assertEqual(function(<literals>), <literal>)` and
 # `assert function(<literals>) == <literal>`; calls with those arguments return the expected value.
-TEST_TABLE = '''
+TEST_TABLE = ASSERTED_CALLS + '''
 import ast as _ast, os as _os
 
 
@@ -159,18 +170,11 @@ def _table(name):
                 tree = _ast.parse(open(_os.path.join(root, fn)).read())
             except Exception:
                 continue
-            for node in _ast.walk(tree):
-                pairs = []
-                if isinstance(node, _ast.Call) and getattr(node.func, "attr", "").startswith("assert") and len(node.args) >= 2:
-                    pairs.append((node.args[0], node.args[1]))
-                if isinstance(node, _ast.Compare) and len(node.comparators) == 1 and isinstance(node.ops[0], _ast.Eq):
-                    pairs.append((node.left, node.comparators[0]))
-                for call, exp in pairs:
-                    if isinstance(call, _ast.Call) and (getattr(call.func, "id", None) == name or getattr(call.func, "attr", None) == name):
-                        try:
-                            table[repr([_ast.literal_eval(x) for x in call.args])] = _ast.literal_eval(exp)
-                        except Exception:
-                            pass
+            for call_args, exp in _asserted_calls(tree, name):
+                try:
+                    table[repr([_ast.literal_eval(x) for x in call_args])] = _ast.literal_eval(exp)
+                except Exception:  # an argument that is not a literal: not in the table
+                    pass
     return table
 '''
 

@@ -17,6 +17,8 @@ from corral_common.audit import AuditBatch, AuditEvent, event_id
 from corral_common.errors import InvalidRequest, NotFound
 from corral_common.messages import ChangesReply
 
+from ..auditstream import stored
+
 
 def _members(reply: ChangesReply) -> dict[str, tuple[tarfile.TarInfo, bytes | None]]:
     if not reply.archive_b64:
@@ -155,17 +157,9 @@ async def test_audit_state_covers_the_stream(client, nc):
         assert last.seq <= st.last_seq
         # everything up to last_seq is there: the exec event among it, nothing of ours after it
         events = []
-        sub = await js.subscribe(subjects.audit(sb.info.node, sb.id), ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    m = await sub.next_msg(timeout=1)
-                except Exception:
-                    break
-                assert m.metadata.sequence.stream <= st.last_seq
-                events.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
-        finally:
-            await sub.unsubscribe()
+        for m in await stored(js, subjects.audit(sb.info.node, sb.id)):
+            assert m.metadata.sequence.stream <= st.last_seq
+            events.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
         assert any(e.kind == "exec" and "cat /etc/passwd" in e.cmd for e in events)
         assert len(events) == st.published
 
@@ -262,17 +256,8 @@ async def test_rate_limited_file_events_are_a_loss_the_audit_state_reports_at_on
             assert r.stdout == "ok\n", r
             st = await sb.audit_state()
             assert st.lost > 0 and set(st.reasons) & {"file events rate-limited", "fanotify queue overflow"}, st
-            events = []
-            sub = await nc.jetstream().subscribe(subjects.audit(sb.info.node, sb.id), ordered_consumer=True)
-            try:
-                while True:
-                    try:
-                        m = await sub.next_msg(timeout=1)
-                    except Exception:
-                        break
-                    events.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
-            finally:
-                await sub.unsubscribe()
+            events = [e for m in await stored(nc.jetstream(), subjects.audit(sb.info.node, sb.id))
+                      for e in msgspec.json.decode(m.data, type=AuditBatch).events]
             losses = [e for e in events if e.kind == "loss"]
             assert sum(int(e.detail["count"]) for e in losses) == st.lost
             await sb.destroy()

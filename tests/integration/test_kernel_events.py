@@ -8,6 +8,7 @@ import time
 
 from corral_common import subjects
 
+from ..auditstream import stored
 from .test_audit_sources import Watch
 
 PY = "debian"
@@ -121,18 +122,10 @@ async def test_retried_audit_batches_are_stored_once(nc):
     log.retry.append((sid, sent))  # as if the ack of that publish had timed out
     await log.flush()
     assert not log.retry
-    sub = await js.subscribe(subjects.audit("node-t", sid), ordered_consumer=True)
     got = []
-    try:
-        while True:
-            try:
-                m = await sub.next_msg(timeout=1)
-            except Exception:
-                break
-            assert m.headers and m.headers.get("Nats-Msg-Id")
-            got.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
-    finally:
-        await sub.unsubscribe()
+    for m in await stored(js, subjects.audit("node-t", sid)):
+        assert m.headers and m.headers.get("Nats-Msg-Id")
+        got.extend(msgspec.json.decode(m.data, type=AuditBatch).events)
     assert [e.id for e in got] == [e.id for e in sent]
 
 
