@@ -63,7 +63,7 @@ import traceback
 from typing import Any
 
 from bench._common import log, pyplot
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
 from tests.dockerd import docker_ok, start_dockerd

@@ -119,7 +119,7 @@ def machine() -> dict[str, Any]:
 def make_batch(job: str, start: int, n: int, bad_every: int = 1000, sandboxes: int = 512, unique: bool = False) -> bytes:
     import msgspec
 
-    from corral_common.audit import AuditBatch, AuditEvent, event_id
+    from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
 
     now = time.time()
     evs = []
@@ -258,7 +258,7 @@ async def bench_ingest(stack, nc, events: int, workers_list: list[int], batch: i
 async def alert_latency(nc, n: int, rate: float, load_eps: float = 0.0) -> dict[str, Any]:
     import msgspec
 
-    from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
+    from corral_common.contract.audit import Alert, AuditBatch, AuditEvent, event_id
 
     js = nc.jetstream()
     tag = f"lat{int(time.time() * 1000) % 10**9}"
@@ -358,7 +358,7 @@ async def set_node_audit(stack, client, node: str, audit: bool) -> None:
     stack.restart(node)
     import msgspec
 
-    from corral_common.messages import Heartbeat
+    from corral_common.contract.messages import Heartbeat
 
     got = asyncio.Event()
 

@@ -19,8 +19,8 @@ import time
 import msgspec
 import nats
 
-from corral_common import subjects
-from corral_common.messages import SandboxInfo, encoder
+from corral_common.contract import subjects
+from corral_common.contract.messages import SandboxInfo, encoder
 from corral_sdk.stack import Stack, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from bench._common import pyplot, save
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
 

@@ -39,7 +39,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 from corral_common import subjects  # noqa: E402
-from corral_common.messages import Event, Heartbeat  # noqa: E402
+from corral_common.contract.messages import Event, Heartbeat  # noqa: E402
 from corral_sdk import AsyncClient  # noqa: E402
 from corral_sdk.stack import Stack, free_port  # noqa: E402
 

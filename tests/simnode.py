@@ -14,8 +14,9 @@ import time
 import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
 
-from corral_common import bus, subjects
-from corral_common.messages import (
+from corral_common import bus
+from corral_common.contract import subjects
+from corral_common.contract.messages import (
     ErrorBody,
     Heartbeat,
     NodeCapacity,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from corral_common.envs import EnvSpec
+from corral_common.contract.envs import EnvSpec
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from corral_common.messages import ExecResult
+from corral_common.contract.messages import ExecResult
 from corral_sdk.client import AsyncSandbox
 
 from . import payloads as P

@@ -3,7 +3,7 @@ composed by a (scripted, deterministic) agent author and submitted through `clie
 and the real-PyPI-package environments a colleague provides in pypi_envs.py when present."""
 from __future__ import annotations
 
-from corral_common.envs import EnvBuildResult, EnvSpec, RolloutLimits, Solution
+from corral_common.contract.envs import EnvBuildResult, EnvSpec, RolloutLimits, Solution
 from corral_sdk import demo_env
 
 from .benchenv import BenchEnv

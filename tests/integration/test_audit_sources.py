@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from corral_common import subjects
-from corral_common.audit import Alert, AuditBatch, AuditEvent
+from corral_common.contract import subjects
+from corral_common.contract.audit import Alert, AuditBatch, AuditEvent
 from corral_sdk import Forbidden
 
 from .. import hostview

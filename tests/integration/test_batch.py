@@ -16,7 +16,7 @@ import uuid
 import nats
 import pytest
 
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_scheduler.batch import item_id
 from corral_sdk import AsyncClient
 

@@ -12,10 +12,10 @@ import time
 import msgspec
 import pytest
 
-from corral_common import subjects
-from corral_common.audit import AuditBatch, AuditEvent, event_id
-from corral_common.errors import InvalidRequest, NotFound
-from corral_common.messages import ChangesReply
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
+from corral_common.contract.errors import InvalidRequest, NotFound
+from corral_common.contract.messages import ChangesReply
 
 from ..auditstream import stored
 

@@ -11,7 +11,7 @@ import subprocess
 
 import nats
 
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_sdk import AsyncClient
 
 from ..conftest import make_stack, running_stack

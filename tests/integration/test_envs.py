@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from corral_common import labels, subjects
-from corral_common.envs import EnvSpec, GitPin, Solution
-from corral_common.errors import Conflict, InvalidRequest, NotFound
+from corral_common.contract import labels, subjects
+from corral_common.contract.envs import EnvSpec, GitPin, Solution
+from corral_common.contract.errors import Conflict, InvalidRequest, NotFound
 from corral_sdk import demo_env
 from corral_sdk.demo_env import STATS_BUGGY, STATS_FIXED, demo_spec
 

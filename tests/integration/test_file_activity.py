@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from corral_common import subjects
+from corral_common.contract import subjects
 
 from .test_audit_sources import Watch
 
@@ -162,7 +162,7 @@ async def test_a_one_shot_run_has_file_activity_too(client, nc, substrate):
     import msgspec
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    from corral_common.audit import AuditBatch
+    from corral_common.contract.audit import AuditBatch
 
     job = f"one-shot-{secrets.token_hex(4)}"
     events = []

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_common.layers import KV_IMAGES
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from corral_common import subjects
+from corral_common.contract import subjects
 
 from ..auditstream import stored
 from .test_audit_sources import Watch
@@ -109,7 +109,7 @@ async def test_retried_audit_batches_are_stored_once(nc):
 
     import msgspec
 
-    from corral_common.audit import AuditBatch, AuditEvent, event_id
+    from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
     from corral_node_agent.auditlog import AuditLog
 
     js = nc.jetstream()
@@ -136,7 +136,7 @@ async def test_audit_log_publishes_on_a_timer_not_per_event(nc):
 
     import msgspec
 
-    from corral_common.audit import AuditBatch, AuditEvent, event_id
+    from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
     from corral_node_agent.auditlog import AuditLog
 
     js = nc.jetstream()

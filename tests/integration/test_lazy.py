@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_common.layers import CHUNK_BUCKET, Catalog
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),

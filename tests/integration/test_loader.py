@@ -25,9 +25,9 @@ import pytest
 import pytest_asyncio
 from nats.js.api import DeliverPolicy
 
-from corral_common import subjects
-from corral_common.audit import AuditBatch
 from corral_common.bus import ensure_streams
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditBatch
 from corral_common.layers import Catalog, DirBackend, ImageManifest, LayerManifest, ObjectStoreBackend, build_layer
 from corral_sdk.stack import free_port, nats_server_binary
 
@@ -803,7 +803,7 @@ async def test_hung_chunk_store_gives_eio_not_a_hang(env):
 async def test_fetch_pool_single_flight_priority_and_verification():
     """The fetch pool in-process, with a slow fake store: one fetch per hash however many wait,
     demand overtakes queued prefetch, bad bytes are retried then refused, not-found is final."""
-    from corral_common.errors import NotFound
+    from corral_common.contract.errors import NotFound
     from corral_common.layers import ChunkBackend
     from corral_image_cache.loader.fetcher import DEMAND, PREFETCH, ChunkError, FetchPool
 

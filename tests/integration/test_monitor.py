@@ -26,8 +26,8 @@ import msgspec
 import nats
 import pytest_asyncio
 
-from corral_common import labels, subjects
-from corral_common.audit import Alert, AuditBatch, AuditEvent, event_id
+from corral_common.contract import labels, subjects
+from corral_common.contract.audit import Alert, AuditBatch, AuditEvent, event_id
 
 from ..conftest import running_stack
 

@@ -14,8 +14,8 @@ import msgspec
 import nats
 import pytest_asyncio
 
-from corral_common import subjects
-from corral_common.audit import Alert, AuditBatch, AuditEvent, EvaluateRequest, Finding, event_id
+from corral_common.contract import subjects
+from corral_common.contract.audit import Alert, AuditBatch, AuditEvent, EvaluateRequest, Finding, event_id
 from corral_sdk import AsyncClient
 
 from ..conftest import running_stack

@@ -9,8 +9,8 @@ import time
 import msgspec
 import nats
 
-from corral_common import subjects
-from corral_common.messages import Heartbeat
+from corral_common.contract import subjects
+from corral_common.contract.messages import Heartbeat
 
 
 async def _heartbeats_until(url: str, pred, timeout: float = 20.0) -> Heartbeat:

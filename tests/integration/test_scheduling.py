@@ -12,8 +12,8 @@ import uuid
 import nats
 import pytest
 
-from corral_common import subjects
-from corral_common.errors import Capacity
+from corral_common.contract import subjects
+from corral_common.contract.errors import Capacity
 from corral_sdk import AsyncClient
 
 from ..conftest import running_stack

@@ -8,7 +8,7 @@ import time
 import nats
 import pytest
 
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_sdk import Client, ExecChunk, ExecResult, InvalidRequest, NotFound, Sandbox
 
 
@@ -131,7 +131,7 @@ async def test_concurrent_requests_same_request_id_make_one_sandbox(client):
 async def test_every_exec_is_audited_on_jetstream(client, stack):
     import msgspec
 
-    from corral_common.audit import AuditBatch
+    from corral_common.contract.audit import AuditBatch
 
     sb = await client.create(image="busybox", cpu=0.1, memory_mb=32, job="audited")
     await sb.exec("echo one", cwd="/tmp")

@@ -26,9 +26,9 @@ import nats
 import pytest
 import pytest_asyncio
 
-from corral_common import subjects
-from corral_common.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE
-from corral_common.messages import ExecResult
+from corral_common.contract import subjects
+from corral_common.contract.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE
+from corral_common.contract.messages import ExecResult
 from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound, RemoteError, Timeout
 
 from .. import leaks
@@ -135,7 +135,7 @@ class Target:
         body = {"spec": {"image": self.image, "substrate": "function", **self.spec}, "exec": {"cmd": cmd, **kw}}
         r = json.loads((await self.nc.request(subjects.SANDBOX_RUN, json.dumps(body).encode(), timeout=kw.get("timeout_s", 60) + 60)).data)
         if not r["ok"]:
-            from corral_common.errors import from_code
+            from corral_common.contract.errors import from_code
 
             raise from_code(r["error"]["code"], r["error"]["message"])
         self.last, self.node = r["sandbox_id"], r["node"]

@@ -13,7 +13,7 @@ import tempfile
 
 import nats
 
-from corral_common import subjects
+from corral_common.contract import subjects
 from corral_sdk import AsyncClient, Client
 from corral_sdk.stack import free_port
 

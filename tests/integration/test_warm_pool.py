@@ -15,9 +15,9 @@ import msgspec
 import nats
 import pytest
 
-from corral_common import subjects
-from corral_common.audit import AuditBatch
-from corral_common.messages import Event, Heartbeat
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditBatch
+from corral_common.contract.messages import Event, Heartbeat
 from corral_sdk import AsyncClient
 
 from .. import hostview, leaks

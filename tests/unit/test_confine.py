@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from corral_common.errors import Forbidden, InvalidRequest, NotFound
+from corral_common.contract.errors import Forbidden, InvalidRequest, NotFound
 from corral_node_agent import confine
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from corral_common.envs import EnvSpec, spec_digest
-from corral_common.errors import Capacity, InvalidRequest
+from corral_common.contract.envs import EnvSpec, spec_digest
+from corral_common.contract.errors import Capacity, InvalidRequest
 from corral_env_builder.limits import BuildLimits
 from corral_env_builder.workspace import patch_targets, scan_script
 from corral_sdk.demo_env import demo_spec

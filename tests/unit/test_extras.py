@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from corral_common import extras
-from corral_common.errors import Code, CorralError
+from corral_common.contract.errors import Code, CorralError
 
 
 def test_a_missing_package_names_its_extra():

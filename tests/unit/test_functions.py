@@ -10,8 +10,8 @@ import sys
 import msgspec
 import pytest
 
-from corral_common.errors import Timeout
-from corral_common.messages import ExecResult, NodeRun, RunRequest
+from corral_common.contract.errors import Timeout
+from corral_common.contract.messages import ExecResult, NodeRun, RunRequest
 from corral_sdk.functions import RemoteError, decode_result, encode_call
 from corral_sdk.stack import Stack
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from corral_common.envs import EnvSpec
-from corral_common.errors import InvalidRequest
-from corral_common.messages import Change
+from corral_common.contract.envs import EnvSpec
+from corral_common.contract.errors import InvalidRequest
+from corral_common.contract.messages import Change
 from corral_env_builder import codescan, surface, testrun
 from corral_env_builder.build import surface_roots
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from corral_common.errors import InvalidRequest, NotFound
+from corral_common.contract.errors import InvalidRequest, NotFound
 from corral_image_cache import builtin as images
 from corral_image_cache.builtin import DebootstrapProgress, ImageStore, apt_mirror
 

@@ -2,8 +2,8 @@ import msgspec
 import pytest
 
 from corral_common import bus
-from corral_common.errors import Code, CorralError, NotFound, from_code
-from corral_common.messages import CreateBatchRequest, ExecRequest, SandboxSpec, error, ok
+from corral_common.contract.errors import Code, CorralError, NotFound, from_code
+from corral_common.contract.messages import CreateBatchRequest, ExecRequest, SandboxSpec, error, ok
 
 
 def test_spec_defaults_and_roundtrip():

@@ -1,6 +1,6 @@
 import time
 
-from corral_common.messages import Heartbeat, NodeCapacity, NodeUsage, SandboxSpec
+from corral_common.contract.messages import Heartbeat, NodeCapacity, NodeUsage, SandboxSpec
 from corral_scheduler import placement
 from corral_scheduler.registry import Registry, Reservation
 
@@ -108,7 +108,7 @@ def test_batch_plan_pack_fills_the_fullest_first_and_skips_hot_nodes():
 def test_batch_reply_fits_the_payload_limit():
     import json
 
-    from corral_common.messages import SandboxInfo
+    from corral_common.contract.messages import SandboxInfo
     from corral_scheduler.batch import reply
 
     made = [SandboxInfo(id=f"sb-{i:012x}", node="n1", state="running", substrate="container", image="busybox", created_at=1.0,

@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from corral_common.errors import InvalidRequest
+from corral_common.contract.errors import InvalidRequest
 from corral_sdk import pypi_env
 from corral_sdk.pypi_env import Mutation, apply_mutation, read_tree, run_tests, unpack_sdist
 

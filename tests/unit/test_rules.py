@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from corral_common import labels, subjects
-from corral_common.audit import AuditEvent, event_id
+from corral_common.contract import labels, subjects
+from corral_common.contract.audit import AuditEvent, event_id
 from corral_monitor import rules
 from corral_monitor.rules import RuleContext, shell
 
@@ -401,7 +401,7 @@ def test_alert_throttle_one_per_rule_and_sandbox_per_window():
 
 
 def test_query_validation():
-    from corral_common.errors import InvalidRequest
+    from corral_common.contract.errors import InvalidRequest
     from corral_monitor.query import validate
 
     assert validate("SELECT 1;") == "SELECT 1"
@@ -513,7 +513,7 @@ def test_watermark_advances_only_contiguously():
 
 
 def test_finding_alert_ids_depend_on_the_finding_only():
-    from corral_common.audit import Finding
+    from corral_common.contract.audit import Finding
     from corral_monitor.alerts import alert_paths, finding_alert
 
     f = Finding(rule="grader_tampering", severity="high", message="conftest.py changed", paths=["/repo/conftest.py"])
@@ -523,5 +523,5 @@ def test_finding_alert_ids_depend_on_the_finding_only():
     other = Finding(rule="grader_tampering", severity="high", message="conftest.py changed", paths=["/repo/x.py"])
     assert finding_alert(other, "sb-1").id != a.id
     e = ev("file", op="write", path="/repo/tests/t.py")
-    from corral_common.audit import Alert
+    from corral_common.contract.audit import Alert
     assert alert_paths(Alert(id="x", ts=1.0, rule="r", severity="high", sandbox="sb-1", message="m", evidence=[e, e])) == ["/repo/tests/t.py"]

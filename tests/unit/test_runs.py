@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from corral_common.messages import ExecRequest, RunRequest, RunSpec
+from corral_common.contract.messages import ExecRequest, RunRequest, RunSpec
 from corral_scheduler.runs import digest_of, key_of
 
 

@@ -1,5 +1,5 @@
-"""Every NATS subject corral speaks is spelled only in corral_common/subjects.py, every label key
-only in corral_common/labels.py.
+"""Every NATS subject corral speaks is spelled only in corral_common/contract/subjects.py, every label key
+only in corral_common/contract/labels.py.
 
 Why: a subject spelled twice drifts (one side renamed, the other still listening on the old name,
 and nothing fails until a request times out). With one module the contract can be read off it and
@@ -33,8 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("libs", "services", "bench", "tests", "scripts")
-SUBJECTS = Path("libs/common/corral_common/subjects.py")
-LABELS = Path("libs/common/corral_common/labels.py")
+SUBJECTS = Path("libs/common/corral_common/contract/subjects.py")
+LABELS = Path("libs/common/corral_common/contract/labels.py")
 ALLOWED = {
     # an outside client's view: plain nats-py and the subject names the README documents
     Path("tests/integration/test_contract.py"): "speaks the documented JSON contract on raw subjects",
@@ -101,7 +101,7 @@ def test_subjects_and_label_keys_are_spelled_in_one_place():
         if rel in ALLOWED:
             continue
         found += findings(path.read_text(), rel)
-    assert not found, "use corral_common.subjects / corral_common.labels instead:\n" + "\n".join(found)
+    assert not found, "use corral_common.contract.subjects / corral_common.contract.labels instead:\n" + "\n".join(found)
 
 
 def test_the_allowlist_names_files_that_exist():

@@ -3,7 +3,7 @@ import time
 
 import msgspec
 
-from corral_common.messages import Heartbeat, NodeCapacity, NodeUsage, SandboxUsage
+from corral_common.contract.messages import Heartbeat, NodeCapacity, NodeUsage, SandboxUsage
 from corral_scheduler.registry import Registry
 
 

@@ -17,8 +17,9 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
-from . import messages, metrics, subjects
-from .errors import Code, CorralError
+from . import metrics
+from .contract import messages, subjects
+from .contract.errors import Code, CorralError
 
 log = logging.getLogger("corral.bus")
 T = TypeVar("T")

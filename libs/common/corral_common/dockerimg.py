@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import AsyncIterator
 
 from . import extras, linux
-from .errors import Internal, InvalidRequest, NotFound, Unavailable
+from .contract.errors import Internal, InvalidRequest, NotFound, Unavailable
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 

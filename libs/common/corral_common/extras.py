@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-from .errors import Unavailable
+from .contract.errors import Unavailable
 
 
 def require(module: str, extra: str, purpose: str) -> ModuleType:

@@ -22,7 +22,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 
-from .errors import Internal, InvalidRequest, NotFound
+from .contract.errors import Internal, InvalidRequest, NotFound
 
 KV_IMAGES = "corral_images"
 KV_LAYERS = "corral_layers"

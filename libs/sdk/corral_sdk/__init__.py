@@ -4,7 +4,7 @@
         async with await client.create(image="debian") as sb:
             r = await sb.exec("python3 -c 'print(6*7)'")
 """
-from corral_common.errors import (
+from corral_common.contract.errors import (
     Capacity,
     Conflict,
     CorralError,
@@ -15,7 +15,7 @@ from corral_common.errors import (
     Timeout,
     Unavailable,
 )
-from corral_common.messages import ExecChunk, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.messages import ExecChunk, ExecResult, SandboxInfo, SandboxSpec
 
 from .client import AsyncClient, AsyncSandbox
 from .functions import RemoteError

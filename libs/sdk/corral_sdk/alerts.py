@@ -1,4 +1,4 @@
-"""Alerts from the monitor, as an async iterator of `Alert` (libs/common/corral_common/audit.py).
+"""Alerts from the monitor, as an async iterator of `Alert` (libs/common/corral_common/contract/audit.py).
 
     async with client.alerts.subscribe(job="rollout-7") as alerts:     # subscribed on enter: nothing missed
         async for a in alerts:
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from corral_common import subjects
-from corral_common.audit import Alert
+from corral_common.contract import subjects
+from corral_common.contract.audit import Alert
 
 if TYPE_CHECKING:
     from .client import AsyncClient

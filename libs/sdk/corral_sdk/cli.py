@@ -11,8 +11,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config, subjects
-from corral_common.errors import CorralError
+from corral_common import config
+from corral_common.contract import subjects
+from corral_common.contract.errors import CorralError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="corral: sandboxes for training and evaluating AI agents")
 sandbox_app = typer.Typer(no_args_is_help=True, help="create, exec in, list and remove sandboxes")
@@ -123,7 +124,7 @@ def sandbox_create(
 def sandbox_exec(sandbox_id: str, cmd: str, timeout_s: float = typer.Option(60.0), session: str = typer.Option(""),
                  stream: bool = typer.Option(True, help="print output as it arrives")) -> None:
     """Run a command in a sandbox; exits with its exit code."""
-    from corral_common.messages import ExecChunk
+    from corral_common.contract.messages import ExecChunk
 
     c = _client()
     sb = c.sandbox(sandbox_id)
@@ -217,7 +218,7 @@ def _image_call(op: str, body: dict, timeout: float = 600.0):
             await c.close()
         r = msgspec.json.decode(msg.data)
         if not r.get("ok"):
-            from corral_common.errors import from_code
+            from corral_common.contract.errors import from_code
 
             raise from_code(r["error"]["code"], r["error"]["message"])
         return r

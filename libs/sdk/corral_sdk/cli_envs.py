@@ -25,8 +25,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from corral_common import config
-from corral_common.envs import EnvSpec
-from corral_common.errors import CorralError, InvalidRequest
+from corral_common.contract.envs import EnvSpec
+from corral_common.contract.errors import CorralError, InvalidRequest
 
 console = Console(stderr=True)
 env_app = typer.Typer(no_args_is_help=True, help="build, list, show, grade and remove environments")

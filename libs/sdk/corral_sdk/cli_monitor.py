@@ -17,8 +17,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config, extras, subjects
-from corral_common.errors import CorralError, from_code
+from corral_common import config, extras
+from corral_common.contract import subjects
+from corral_common.contract.errors import CorralError, from_code
 
 QUERY_SUBJECT = subjects.MONITOR_QUERY
 alerts_app = typer.Typer(no_args_is_help=True, help="follow and list the monitor's alerts")

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from corral_common import config
-from corral_common.errors import CorralError
+from corral_common.contract.errors import CorralError
 
 console = Console(stderr=True)
 

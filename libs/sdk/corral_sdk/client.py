@@ -15,9 +15,10 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from corral_common import config, subjects
-from corral_common.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable, from_code
-from corral_common.messages import (
+from corral_common import config
+from corral_common.contract import subjects
+from corral_common.contract.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable, from_code
+from corral_common.contract.messages import (
     AuditState,
     BatchProgress,
     ChangesReply,
@@ -207,7 +208,7 @@ class AsyncClient:
         too. `**spec` are SandboxSpec fields (cpu, memory_mb, disk_mb, pids_max, workdir, job,
         labels, ...); `env` is the command's environment. With `request_id=` the command runs at
         most once: a retry with the same id returns the first run's result (`replayed=True`)."""
-        from corral_common.messages import RunRequest, RunSpec
+        from corral_common.contract.messages import RunRequest, RunSpec
 
         req = RunRequest(spec=RunSpec(image=image, substrate=substrate, **spec),  # type: ignore[arg-type]
                          exec=ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s,

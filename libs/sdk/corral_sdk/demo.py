@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from corral_common import extras
-from corral_common.errors import CorralError
+from corral_common.contract.errors import CorralError
 
 from .client import AsyncClient
 from .demo_env import demo_spec

@@ -3,7 +3,7 @@ hidden tests that catch the bug, a git history whose later commit holds the fix 
 builder), and a leftover answers file planted as a canary."""
 from __future__ import annotations
 
-from corral_common.envs import EnvSpec, GitPin, RolloutLimits, Solution
+from corral_common.contract.envs import EnvSpec, GitPin, RolloutLimits, Solution
 
 STATS_BUGGY = '''"""Small statistics helpers."""
 

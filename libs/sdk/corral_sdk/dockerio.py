@@ -18,8 +18,9 @@ from typing import Any
 
 import nats
 
-from corral_common import config, dockerimg, subjects
-from corral_common.errors import from_code
+from corral_common import config, dockerimg
+from corral_common.contract import subjects
+from corral_common.contract.errors import from_code
 
 
 def corral_name(docker_ref: str) -> str:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from corral_common import subjects
-from corral_common.envs import (
+from corral_common.contract import subjects
+from corral_common.contract.envs import (
     ENV_LABEL,
     ENV_VERSION_LABEL,
     EnvBuildRequest,
@@ -24,7 +24,7 @@ from corral_common.envs import (
     EnvRef,
     EnvSpec,
 )
-from corral_common.messages import SandboxSpec, encoder
+from corral_common.contract.messages import SandboxSpec, encoder
 
 if TYPE_CHECKING:
     from .client import AsyncClient, AsyncSandbox

@@ -30,8 +30,8 @@ import json
 import textwrap
 from typing import Any
 
-from corral_common.errors import Timeout
-from corral_common.messages import ExecResult
+from corral_common.contract.errors import Timeout
+from corral_common.contract.messages import ExecResult
 
 MARK = "\x1ecorral-result:"
 MAX_OUTPUT = 4 * 1024 * 1024

@@ -31,8 +31,8 @@ from typing import Literal
 
 import msgspec
 
-from corral_common.envs import EnvSpec, RolloutLimits, Solution
-from corral_common.errors import Internal, InvalidRequest, NotFound
+from corral_common.contract.envs import EnvSpec, RolloutLimits, Solution
+from corral_common.contract.errors import Internal, InvalidRequest, NotFound
 
 DEFAULT_SDIST_DIR = "/var/lib/corral/sdists"
 PytestOrUnittest = Literal["pytest", "unittest"]

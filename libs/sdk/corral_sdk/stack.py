@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import msgspec
 import nats
 
-from corral_common import extras, subjects
-from corral_common.errors import Unavailable
-from corral_common.messages import Heartbeat
+from corral_common import extras
+from corral_common.contract import subjects
+from corral_common.contract.errors import Unavailable
+from corral_common.contract.messages import Heartbeat
 
 from . import stackguard
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from corral_common.messages import AuditState, ChangesReply, ExecChunk, ExecResult, SandboxInfo
+from corral_common.contract.messages import AuditState, ChangesReply, ExecChunk, ExecResult, SandboxInfo
 
 from .client import AsyncClient, AsyncSandbox
 

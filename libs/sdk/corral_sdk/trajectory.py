@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from corral_common import subjects
-from corral_common.errors import NotFound, Timeout
-from corral_common.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, encoder
-from corral_common.traj import input_hash
+from corral_common.contract import subjects
+from corral_common.contract.errors import NotFound, Timeout
+from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, encoder
+from corral_common.contract.traj import input_hash
 
 if TYPE_CHECKING:
     from .client import AsyncClient, AsyncSandbox

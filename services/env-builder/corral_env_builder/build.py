@@ -8,8 +8,8 @@ import time
 
 import msgspec
 
-from corral_common import labels, subjects
-from corral_common.envs import (
+from corral_common.contract import labels, subjects
+from corral_common.contract.envs import (
     ENV_LABEL,
     ENV_VERSION_LABEL,
     CheckResult,
@@ -21,8 +21,8 @@ from corral_common.envs import (
     digest,
     spec_digest,
 )
-from corral_common.errors import CorralError, InvalidRequest, NotFound
-from corral_common.messages import SandboxSpec, encoder
+from corral_common.contract.errors import CorralError, InvalidRequest, NotFound
+from corral_common.contract.messages import SandboxSpec, encoder
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import gitpin, surface, testrun, verify, workspace

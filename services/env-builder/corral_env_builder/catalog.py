@@ -12,9 +12,10 @@ import msgspec
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from corral_common import bus, subjects
-from corral_common.envs import EnvRecord, Solution
-from corral_common.errors import Conflict, NotFound
+from corral_common import bus
+from corral_common.contract import subjects
+from corral_common.contract.envs import EnvRecord, Solution
+from corral_common.contract.errors import Conflict, NotFound
 
 from .testrun import RunnerPlan
 

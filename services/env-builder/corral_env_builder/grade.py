@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from corral_common import labels, subjects
-from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
-from corral_common.envs import (
+from corral_common.contract import labels, subjects
+from corral_common.contract.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
+from corral_common.contract.envs import (
     ENV_LABEL,
     ENV_VERSION_LABEL,
     SEVERITY_RANK,
@@ -34,8 +34,8 @@ from corral_common.envs import (
     EnvGradeResult,
     TestOutcome,
 )
-from corral_common.errors import CorralError, Internal, InvalidRequest, Timeout, Unavailable
-from corral_common.messages import AuditState, ExecResult, SandboxSpec, encoder
+from corral_common.contract.errors import CorralError, Internal, InvalidRequest, Timeout, Unavailable
+from corral_common.contract.messages import AuditState, ExecResult, SandboxSpec, encoder
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import codescan, surface, testrun, verify, workspace

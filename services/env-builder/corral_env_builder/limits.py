@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from corral_common.errors import Capacity
+from corral_common.contract.errors import Capacity
 
 
 @dataclass

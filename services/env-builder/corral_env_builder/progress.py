@@ -6,9 +6,10 @@ import time
 
 from nats.aio.client import Client as NATS
 
-from corral_common import logs, subjects
-from corral_common.envs import EnvProgress, Stage
-from corral_common.messages import encoder
+from corral_common import logs
+from corral_common.contract import subjects
+from corral_common.contract.envs import EnvProgress, Stage
+from corral_common.contract.messages import encoder
 
 log = logging.getLogger("corral.env")
 

@@ -12,9 +12,10 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics, subjects
-from corral_common.envs import EnvBuildRequest, EnvGradeRequest, EnvListRequest, EnvRef
-from corral_common.messages import ok
+from corral_common import bus, logs, metrics
+from corral_common.contract import subjects
+from corral_common.contract.envs import EnvBuildRequest, EnvGradeRequest, EnvListRequest, EnvRef
+from corral_common.contract.messages import ok
 from corral_sdk.client import AsyncClient
 
 from .build import BuildConfig, Builder

@@ -12,7 +12,7 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 
-from corral_common.messages import Change
+from corral_common.contract.messages import Change
 
 # configuration a test runner reads from the tree: part of the grader, not of the solution
 RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",

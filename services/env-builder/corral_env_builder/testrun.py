@@ -9,9 +9,9 @@ from pathlib import Path
 
 import msgspec
 
-from corral_common.envs import EnvSpec, TestOutcomeKind
-from corral_common.errors import InvalidRequest
-from corral_common.messages import ExecResult
+from corral_common.contract.envs import EnvSpec, TestOutcomeKind
+from corral_common.contract.errors import InvalidRequest
+from corral_common.contract.messages import ExecResult
 from corral_sdk.client import AsyncSandbox
 
 from . import workspace

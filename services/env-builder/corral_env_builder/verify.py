@@ -11,9 +11,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from corral_common import labels
-from corral_common.envs import CheckResult, EnvSpec, digest
-from corral_common.messages import ExecResult, SandboxSpec
+from corral_common.contract import labels
+from corral_common.contract.envs import CheckResult, EnvSpec, digest
+from corral_common.contract.messages import ExecResult, SandboxSpec
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import gitpin, testrun, workspace

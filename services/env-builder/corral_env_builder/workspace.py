@@ -10,7 +10,7 @@ import os
 import tarfile
 import time
 
-from corral_common.messages import ExecResult
+from corral_common.contract.messages import ExecResult
 from corral_sdk.client import AsyncSandbox
 
 MAX_TAR_STDIN = 5 * 1024 * 1024  # base64 of one tarball stays under the bus payload limit (8 MB)

@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Callable, Iterator
 
-from corral_common.errors import Internal, InvalidRequest, NotFound
+from corral_common.contract.errors import Internal, InvalidRequest, NotFound
 
 DEFAULT_ROOT = "/var/lib/corral/images"
 DEBIAN_SUITE = "bookworm"

@@ -10,7 +10,7 @@ import posixpath
 import tarfile
 from collections.abc import Iterator
 
-from corral_common.errors import InvalidRequest
+from corral_common.contract.errors import InvalidRequest
 
 WH_PREFIX = ".wh."
 WH_OPAQUE = ".wh..wh..opq"

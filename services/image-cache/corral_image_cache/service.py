@@ -13,8 +13,10 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics, subjects
-from corral_common.errors import InvalidRequest, NotFound
+from corral_common import bus, logs, metrics
+from corral_common.contract import subjects
+from corral_common.contract.errors import InvalidRequest, NotFound
+from corral_common.contract.messages import Empty, ok
 from corral_common.layers import (
     Catalog,
     ChunkBackend,
@@ -29,7 +31,6 @@ from corral_common.layers import (
     check_image_name,
     chunk_layer_file,
 )
-from corral_common.messages import Empty, ok
 
 from . import builtin, importers
 

@@ -23,8 +23,9 @@ import time
 import msgspec
 from nats.js import JetStreamContext
 
-from corral_common import metrics, subjects
-from corral_common.audit import Alert, AuditEvent, Finding, Severity
+from corral_common import metrics
+from corral_common.contract import subjects
+from corral_common.contract.audit import Alert, AuditEvent, Finding, Severity
 
 from .store import AlertRow, Store
 

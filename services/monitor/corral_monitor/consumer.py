@@ -33,8 +33,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, FetchTimeoutError
 
-from corral_common import metrics, subjects
-from corral_common.audit import AuditBatch, AuditEvent
+from corral_common import metrics
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditBatch, AuditEvent
 
 from .store import ExecRow, SandboxEventRow, Store
 from .watermark import Watermark

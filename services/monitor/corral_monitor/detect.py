@@ -10,8 +10,9 @@ from typing import Any
 
 import msgspec
 
-from corral_common import labels, metrics
-from corral_common.audit import Alert, AuditEvent
+from corral_common import metrics
+from corral_common.contract import labels
+from corral_common.contract.audit import Alert, AuditEvent
 
 from .alerts import AlertManager, alert_id
 from .rules import Rule, RuleContext, SqlRule

@@ -27,9 +27,9 @@ import msgspec
 from nats.aio.msg import Msg
 
 from corral_common import bus, metrics
-from corral_common.audit import AlertSummary, EvaluateReply, EvaluateRequest
-from corral_common.errors import Unavailable
-from corral_common.messages import ok
+from corral_common.contract.audit import AlertSummary, EvaluateReply, EvaluateRequest
+from corral_common.contract.errors import Unavailable
+from corral_common.contract.messages import ok
 
 from .alerts import AlertManager, finding_alert
 from .detect import Detector

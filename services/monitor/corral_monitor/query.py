@@ -18,8 +18,8 @@ from msgspec import Meta
 from nats.aio.msg import Msg
 
 from corral_common import bus
-from corral_common.errors import InvalidRequest, Timeout, Unavailable
-from corral_common.messages import Request, ok
+from corral_common.contract.errors import InvalidRequest, Timeout, Unavailable
+from corral_common.contract.messages import Request, ok
 
 from .store import Store
 

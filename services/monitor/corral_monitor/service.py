@@ -11,8 +11,9 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics, subjects
-from corral_common.messages import ok
+from corral_common import bus, logs, metrics
+from corral_common.contract import subjects
+from corral_common.contract.messages import ok
 
 from . import rules as rulereg
 from .alerts import AlertManager

@@ -20,11 +20,11 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
-from corral_common import bus, logs, metrics, subjects
-from corral_common.audit import AuditEvent, event_id
-from corral_common.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
-from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
-from corral_common.messages import (
+from corral_common import bus, logs, metrics
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditEvent, event_id
+from corral_common.contract.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
+from corral_common.contract.messages import (
     AuditState,
     ChangesRequest,
     Event,
@@ -53,6 +53,7 @@ from corral_common.messages import (
     new_id,
     ok,
 )
+from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
 
 from . import confine
 from .audit_fanotify import FileAudit

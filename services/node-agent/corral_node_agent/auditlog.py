@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 
-from corral_common import metrics, subjects
-from corral_common.audit import AuditBatch, AuditEvent, event_id
-from corral_common.errors import Unavailable
-from corral_common.messages import AuditState, encoder
+from corral_common import metrics
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
+from corral_common.contract.errors import Unavailable
+from corral_common.contract.messages import AuditState, encoder
 
 log = logging.getLogger("corral.node.audit")
 

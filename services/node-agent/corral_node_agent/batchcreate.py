@@ -25,8 +25,8 @@ import time
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from corral_common import bus, logs, metrics
-from corral_common.errors import CorralError
-from corral_common.messages import Event, NodeCreate, NodeCreateBatch, SandboxInfo, encoder, error, ok
+from corral_common.contract.errors import CorralError
+from corral_common.contract.messages import Event, NodeCreate, NodeCreateBatch, SandboxInfo, encoder, error, ok
 
 log = logging.getLogger("corral.node-agent")
 

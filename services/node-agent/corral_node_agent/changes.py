@@ -24,8 +24,8 @@ import tarfile
 import zlib
 from collections.abc import Iterator
 
-from corral_common.errors import InvalidRequest
-from corral_common.messages import Change, ChangesReply, ChangesRequest
+from corral_common.contract.errors import InvalidRequest
+from corral_common.contract.messages import Change, ChangesReply, ChangesRequest
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

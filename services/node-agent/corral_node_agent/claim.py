@@ -12,7 +12,7 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from corral_common.messages import SandboxInfo, encoder
+from corral_common.contract.messages import SandboxInfo, encoder
 
 
 class _NodeOf(msgspec.Struct, forbid_unknown_fields=False):

@@ -10,7 +10,7 @@ import os
 import stat
 
 from corral_common import linux
-from corral_common.errors import Forbidden, InvalidRequest, NotFound
+from corral_common.contract.errors import Forbidden, InvalidRequest, NotFound
 
 RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
 O_PATH = getattr(os, "O_PATH", 0o10000000)

@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 
-from corral_common.errors import Unavailable
+from corral_common.contract.errors import Unavailable
 
 SOURCE = os.path.join(os.path.dirname(__file__), "init", "corral-init.c")
 

@@ -15,10 +15,11 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from corral_common import linux, subjects
-from corral_common.errors import Unavailable, from_code
+from corral_common import linux
+from corral_common.contract import subjects
+from corral_common.contract.errors import Unavailable, from_code
+from corral_common.contract.messages import encoder
 from corral_common.layers import Catalog
-from corral_common.messages import encoder
 
 log = logging.getLogger("corral.node.layers")
 

@@ -23,10 +23,11 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from corral_common import bus, subjects
-from corral_common.errors import Conflict, InvalidRequest, NotFound
-from corral_common.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, TrajSnapshot, encoder
-from corral_common.traj import bare, input_hash
+from corral_common import bus
+from corral_common.contract import subjects
+from corral_common.contract.errors import Conflict, InvalidRequest, NotFound
+from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, TrajSnapshot, encoder
+from corral_common.contract.traj import bare, input_hash
 
 log = logging.getLogger("corral.node.traj")
 

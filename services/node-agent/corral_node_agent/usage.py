@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from corral_common.messages import SandboxUsage
+from corral_common.contract.messages import SandboxUsage
 
 from .cgroups import Cgroups
 

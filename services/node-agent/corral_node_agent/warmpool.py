@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from corral_common import logs, metrics
-from corral_common.errors import NotFound
-from corral_common.messages import SandboxInfo, SandboxSpec
+from corral_common.contract.errors import NotFound
+from corral_common.contract.messages import SandboxInfo, SandboxSpec
 
 from .cgroups import Cgroups
 from .substrates.container import ContainerSandbox, ContainerSubstrate

@@ -20,8 +20,8 @@ import time
 
 import msgspec
 
-from corral_common import subjects
-from corral_common.messages import BatchProgress, SandboxInfo, SandboxSpec, encoder, ok
+from corral_common.contract import subjects
+from corral_common.contract.messages import BatchProgress, SandboxInfo, SandboxSpec, encoder, ok
 
 from .registry import NodeState, Policy
 

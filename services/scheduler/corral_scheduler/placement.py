@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from corral_common.messages import SandboxSpec
+from corral_common.contract.messages import SandboxSpec
 
 from .registry import NodeState, Policy
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from corral_common.errors import Capacity
-from corral_common.messages import SandboxInfo, SandboxSpec
+from corral_common.contract.errors import Capacity
+from corral_common.contract.messages import SandboxInfo, SandboxSpec
 
 KV_QUOTAS = "corral_quotas"
 

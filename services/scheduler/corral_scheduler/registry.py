@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from corral_common.messages import Heartbeat
+from corral_common.contract.messages import Heartbeat
 
 
 @dataclass

@@ -26,8 +26,8 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from corral_common import metrics
-from corral_common.errors import Code, Conflict, CorralError
-from corral_common.messages import encoder
+from corral_common.contract.errors import Code, Conflict, CorralError
+from corral_common.contract.messages import encoder
 
 REPLAYS = metrics.counter("corral_scheduler_run_replays_total", "Runs answered from an earlier attempt with the same request_id", ())
 UNKNOWN_OUTCOME_GRACE_S = 5.0

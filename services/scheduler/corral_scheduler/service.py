@@ -14,9 +14,10 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from corral_common import bus, logs, metrics, subjects
-from corral_common.errors import Capacity, Code, Conflict, CorralError, InvalidRequest, NotFound, Unavailable, from_code
-from corral_common.messages import (
+from corral_common import bus, logs, metrics
+from corral_common.contract import subjects
+from corral_common.contract.errors import Capacity, Code, Conflict, CorralError, InvalidRequest, NotFound, Unavailable, from_code
+from corral_common.contract.messages import (
     CreateBatchRequest,
     ErrorBody,
     Heartbeat,

@@ -9,7 +9,8 @@ import traceback
 
 import typer
 
-from corral_common import config, logs, subjects
+from corral_common import config, logs
+from corral_common.contract import subjects
 
 app = typer.Typer(add_completion=False)
 
@@ -61,7 +62,7 @@ def main(
     try:
         loop.run_until_complete(run())
     except Exception as e:
-        from corral_common.errors import CorralError
+        from corral_common.contract.errors import CorralError
 
         code = 1
         if isinstance(e, CorralError):

@@ -13,7 +13,7 @@ import logging
 import time
 
 from corral_common import logs
-from corral_common.errors import NotFound
+from corral_common.contract.errors import NotFound
 from corral_common.layers import ChunkBackend
 
 log = logging.getLogger("corral.loader.fetch")

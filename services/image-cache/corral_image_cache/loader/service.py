@@ -23,9 +23,11 @@ import mfusepy as fuse
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics, subjects
-from corral_common.audit import AuditBatch, AuditEvent, event_id
-from corral_common.errors import Conflict, CorralError, Internal, InvalidRequest, NotFound
+from corral_common import bus, logs, metrics
+from corral_common.contract import subjects
+from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
+from corral_common.contract.errors import Conflict, CorralError, Internal, InvalidRequest, NotFound
+from corral_common.contract.messages import encoder, ok
 from corral_common.layers import (
     DIGEST,
     Catalog,
@@ -38,7 +40,6 @@ from corral_common.layers import (
     backend_from_url,
     check_image_name,
 )
-from corral_common.messages import encoder, ok
 
 from . import mounts
 from .cache import Layer, check_manifest, scan

@@ -4,7 +4,7 @@ stopped). Whatever the sandbox did in that gap was not seen by any rule, so its 
 clear it: a grader must not reward a rollout whose audit is incomplete."""
 from __future__ import annotations
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import Rule

@@ -12,8 +12,8 @@ import re
 from collections.abc import Iterable
 from typing import ClassVar
 
-from corral_common import labels
-from corral_common.audit import AuditEvent, Severity
+from corral_common.contract import labels
+from corral_common.contract.audit import AuditEvent, Severity
 
 from . import shell
 from .shell import Simple

@@ -3,7 +3,7 @@ legitimate reads them, so any read is critical: node `canary` events, file event
 `detail.canary == "1"`, and exec commands naming a canary path from the label `corral.canaries`."""
 from __future__ import annotations
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import Rule, commands, path_words, under

@@ -3,7 +3,7 @@ unshare, setns, ...): probing the walls. ptrace/process_vm_* and handle/block-ma
 own, more specific rules."""
 from __future__ import annotations
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import Rule

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register, shell
 from .base import Rule, commands

@@ -2,7 +2,7 @@
 and `oom` events."""
 from __future__ import annotations
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import Rule

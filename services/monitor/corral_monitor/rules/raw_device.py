@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import Rule, commands

@@ -3,7 +3,7 @@ usercustomize.py or .pth files, which run code in every later Python process (in
 grader's). Package managers installing packages are the network rule's concern."""
 from __future__ import annotations
 
-from corral_common.audit import AuditEvent
+from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import SITE_PATH, Rule, commands, file_change, write_targets

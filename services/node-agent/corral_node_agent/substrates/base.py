@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import msgspec
 
-from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 ChunkCallback = Callable[[str, bytes], None]
 
@@ -75,7 +75,7 @@ class Substrate(abc.ABC):
         """While entered: the sandbox's writable layer as a directory in overlayfs format
         (whiteouts as 0/0 devices), and the image layers below it. The caller freezes the sandbox
         around reading it."""
-        from corral_common.errors import InvalidRequest
+        from corral_common.contract.errors import InvalidRequest
 
         raise InvalidRequest(f"substrate {self.name!r} cannot snapshot")
 
@@ -83,7 +83,7 @@ class Substrate(abc.ABC):
         """What the sandbox changed against its image, read host-side (nothing inside the sandbox
         is trusted to list or pack it), and the regular files and symlinks under `req.include`
         as a gzip'd tar. The sandbox is frozen while it is read, unless it cannot be."""
-        from corral_common.errors import InvalidRequest
+        from corral_common.contract.errors import InvalidRequest
 
         raise InvalidRequest(f"substrate {self.name!r} cannot list changes")
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
 from ..sessions import Session

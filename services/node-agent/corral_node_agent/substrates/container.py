@@ -33,8 +33,8 @@ import time
 import msgspec
 
 from corral_common import linux
-from corral_common.errors import Code, Conflict, CorralError, Internal, InvalidRequest, Unavailable
-from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.errors import Code, Conflict, CorralError, Internal, InvalidRequest, Unavailable
+from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, confine, initclient, masks, oci
 from ..initbin import ensure_init_binary

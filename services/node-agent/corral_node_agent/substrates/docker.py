@@ -49,11 +49,12 @@ from typing import Any
 
 import msgspec
 
-from corral_common import dockerimg, subjects
-from corral_common.errors import Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Unavailable
-from corral_common.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE, DOCKER_USER_PREFIX
+from corral_common import dockerimg
+from corral_common.contract import subjects
+from corral_common.contract.errors import Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Unavailable
+from corral_common.contract.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE, DOCKER_USER_PREFIX
+from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 from corral_common.layers import check_image_name
-from corral_common.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, oci
 from ..aio import wait_readable as _wait_readable

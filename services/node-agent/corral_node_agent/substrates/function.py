@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from corral_common import linux, metrics, subjects
-from corral_common.errors import Internal, InvalidRequest, Unavailable
-from corral_common.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common import linux, metrics
+from corral_common.contract import subjects
+from corral_common.contract.errors import Internal, InvalidRequest, Unavailable
+from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, confine, oci
 from ..aio import wait_readable as _wait_readable
