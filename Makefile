@@ -22,15 +22,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# the pinned sdists of the real-package environments, fetched once so tests run offline
+# the pinned sdists of the real-package environments and the AsyncAPI schema the contract test
+# validates against, fetched once so tests run offline
 sdists: venv
 	@$(PY) scripts/fetch-sdists.py >/dev/null
+	@$(PY) scripts/fetch-specs.py >/dev/null
 
 demo: setup
 	$(VENV)/bin/corral demo
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -2,15 +2,52 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
+import os
+import re
 
+import jsonschema
 import pytest
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "contract", "asyncapi.json")
+
+
+@functools.cache
+def _published() -> tuple[dict, list[tuple[re.Pattern, str]]]:
+    """The committed AsyncAPI document and, per operation, its subject as a regex and its reply type."""
+    with open(DOC) as f:
+        doc = json.load(f)
+    routes = []
+    for name, op in doc["operations"].items():
+        if op["action"] != "receive":
+            continue
+        address = doc["channels"][name]["address"]
+        pattern = re.escape(address).replace(r"\{", "{").replace(r"\}", "}")
+        pattern = re.sub(r"\{[a-z_]+\}", r"[^.]+", pattern)
+        reply = op["reply"]["messages"][0]["$ref"].rsplit("/", 1)[-1]
+        routes.append((re.compile(pattern + "$"), reply))
+    return doc, routes
+
+
+def conforms(subject: str, reply: dict) -> None:
+    """A real reply matches the schema docs/contract publishes for it: the operation's reply type
+    when ok, ErrorReply otherwise. A subject the document does not name (a made-up op) must be
+    answered with an error."""
+    doc, routes = _published()
+    types = [t for rx, t in routes if rx.match(subject)]
+    name = types[0] if types and reply.get("ok") else "ErrorReply"
+    schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+    errors = [f"{list(e.path)}: {e.message[:200]}" for e in jsonschema.Draft202012Validator(schema).iter_errors(reply)]
+    assert not errors, (subject, name, errors[:3])
 
 
 async def call(nc, subject: str, body, timeout: float = 30.0) -> dict:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     msg = await nc.request(subject, data, timeout=timeout)
-    return json.loads(msg.data)
+    reply = json.loads(msg.data)
+    conforms(subject, reply)
+    return reply
 
 
 def assert_error(reply: dict, code: str, *words: str) -> None:

@@ -13,6 +13,8 @@ import pytest_asyncio
 from corral_common.contract import labels, subjects
 from corral_common.contract.envs import EnvSpec, GitPin, Solution
 from corral_common.contract.errors import Conflict, InvalidRequest, NotFound
+from corral_common.contract.images import ImageListReply
+from corral_common.contract.messages import Empty
 from corral_sdk import demo_env
 from corral_sdk.demo_env import STATS_BUGGY, STATS_FIXED, demo_spec
 
@@ -74,8 +76,8 @@ async def test_rollouts_graded_by_hidden_tests(client, demo):
     # running the visible tests left byte code behind: not carried, and said so
     assert any("__pycache__" in p for p in g1.discarded) and "/repo/calc/stats.py" not in g1.discarded
     # grading left no snapshot images behind, and the rollouts are gone
-    r = await client.request(subjects.IMAGE_LIST, b"{}", 30, raw=True)
-    assert not [i for i in r.raw["images"] if i["name"].startswith("grade-")]
+    r = await client.request(subjects.IMAGE_LIST, Empty(), ImageListReply, 30)
+    assert not [i for i in r.images if i.name.startswith("grade-")]
     with pytest.raises(NotFound):
         await honest.refresh()
 

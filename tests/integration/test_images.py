@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from corral_common.contract import subjects
-from corral_common.layers import KV_IMAGES
+from corral_common.contract.images import KV_IMAGES
 
 
 async def call(nc, op: str, body: dict, timeout: float = 120) -> dict:

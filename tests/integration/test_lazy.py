@@ -15,7 +15,8 @@ import time
 import pytest
 
 from corral_common.contract import subjects
-from corral_common.layers import CHUNK_BUCKET, Catalog
+from corral_common.contract.images import CHUNK_BUCKET
+from corral_common.layers import Catalog
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),
                                 reason="needs root, mkfs.erofs and /dev/fuse")

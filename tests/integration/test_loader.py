@@ -28,7 +28,8 @@ from nats.js.api import DeliverPolicy
 from corral_common.bus import ensure_streams
 from corral_common.contract import subjects
 from corral_common.contract.audit import AuditBatch
-from corral_common.layers import Catalog, DirBackend, ImageManifest, LayerManifest, ObjectStoreBackend, build_layer
+from corral_common.contract.images import ImageManifest, LayerManifest
+from corral_common.layers import Catalog, DirBackend, ObjectStoreBackend, build_layer
 from corral_sdk.stack import free_port, nats_server_binary
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs") or not os.path.exists("/dev/fuse"),

@@ -27,8 +27,10 @@ import pytest
 import pytest_asyncio
 
 from corral_common.contract import subjects
+from corral_common.contract.images import ImageDeleteReply, NameRequest
 from corral_common.contract.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE
-from corral_common.contract.messages import ExecResult
+from corral_common.contract.messages import Empty, ExecResult, SnapshotRequest
+from corral_common.contract.replies import InfoReply, SnapshotReply
 from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound, RemoteError, Timeout
 
 from .. import leaks
@@ -741,8 +743,8 @@ async def test_docker_limits_and_labels(docker_client, docker_stack, docker_env)
         labels = info["Config"]["Labels"]
         assert labels[DOCKER_NODE] == "node-1" and labels[DOCKER_SANDBOX] == sb.id and labels[DOCKER_JOB] == "dj"
         assert info["Config"]["Hostname"] == sb.id
-        u = await sb._call("info", {})
-        assert u.usage["memory_bytes"] > 0 and u.usage["pids"] >= 1, u.usage
+        u = await sb._call("info", Empty(), InfoReply)
+        assert u.usage.memory_bytes > 0 and u.usage.pids >= 1, u.usage
     finally:
         await sb.destroy()
 
@@ -752,9 +754,9 @@ async def test_docker_snapshot_is_a_docker_and_a_corral_image(docker_client, doc
     sb = await docker_client.create(image=docker_env.image, substrate="docker")
     try:
         await sb.exec("mkdir -p /work && echo state > /work/s.txt && rm /bin/vi")
-        r = await sb._call("snapshot", {"name": name}, timeout=600, raw=True)
-        img = r.raw["image"]
-        assert img["name"] == name and img["labels"]["docker_image"] == f"corral-snapshot/{name}:latest", img
+        r = await sb._call("snapshot", SnapshotRequest(name=name), SnapshotReply, timeout=600)
+        img = r.image
+        assert img.name == name and img.labels["docker_image"] == f"corral-snapshot/{name}:latest", img
         assert (await sb.exec("cat /work/s.txt")).stdout == "state\n"  # the source keeps running
     finally:
         await sb.destroy()
@@ -768,7 +770,7 @@ async def test_docker_snapshot_is_a_docker_and_a_corral_image(docker_client, doc
             r = await c2.exec("cat /work/s.txt; ls /bin/vi 2>&1 || echo gone")
             assert r.stdout.startswith("state\n") and r.stdout.endswith("gone\n"), r
     finally:
-        await docker_client.request(subjects.IMAGE_DELETE, json.dumps({"name": name}).encode(), 30)
+        await docker_client.request(subjects.IMAGE_DELETE, NameRequest(name=name), ImageDeleteReply, 30)
         subprocess.run(["docker", "rmi", "-f", f"corral-snapshot/{name}:latest"], capture_output=True)
 
 
@@ -859,7 +861,7 @@ async def test_image_export_and_import_docker(stack, client, docker_env):
                              capture_output=True, text=True)
         assert out.stdout == "exported\n", out
         image = await import_docker_image(stack.url, ref, name)
-        assert image["name"] == name and len(image["layers"]) == 1, image
+        assert image.name == name and len(image.layers) == 1, image
         r = await client.run("cat /etc/passwd | head -1; echo via-docker-import", image=name)
         assert r.stdout.endswith("via-docker-import\n"), r
         with pytest.raises(NotFound):
@@ -867,7 +869,7 @@ async def test_image_export_and_import_docker(stack, client, docker_env):
     finally:
         subprocess.run(["docker", "rmi", "-f", ref], capture_output=True)
         with contextlib.suppress(Exception):
-            await client.request(subjects.IMAGE_DELETE, json.dumps({"name": name}).encode(), 30)
+            await client.request(subjects.IMAGE_DELETE, NameRequest(name=name), ImageDeleteReply, 30)
 
 
 # ============================================================================ helpers

@@ -312,7 +312,7 @@ def test_registry_names_and_metadata():
     for cls in list(rules.REGISTRY.values()) + list(rules.SQL_REGISTRY.values()):
         assert cls.severity in ("info", "low", "medium", "high", "critical")
         assert cls.description and cls.name.replace("_", "").isalnum()
-    described = {d["name"] for d in rules.describe()}
+    described = {d.name for d in rules.describe()}
     assert described == names | set(rules.SQL_REGISTRY)
 
 

@@ -18,7 +18,7 @@ from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
 from . import metrics
-from .contract import messages, subjects
+from .contract import envelope, subjects
 from .contract.errors import Code, CorralError
 
 log = logging.getLogger("corral.bus")
@@ -104,7 +104,9 @@ def decode(data: bytes, typ: type[T]) -> T:
         raise CorralError(f"malformed JSON: {e}", Code.INVALID_REQUEST) from None
 
 
-Handler = Callable[[Msg], Awaitable[bytes | None]]
+# a handler answers with a typed reply (encoded here), raw bytes (an already-encoded reply, e.g. a
+# batch reply cut to the payload limit), or None when it answered the caller itself
+Handler = Callable[[Msg], Awaitable[envelope.Reply | bytes | None]]
 
 
 class Responder:
@@ -140,17 +142,18 @@ class Responder:
         t0 = time.perf_counter()
         code = "ok"
         try:
-            reply = await handler(msg)
+            answer = await handler(msg)
+            reply = envelope.encode(answer) if isinstance(answer, envelope.Reply) else answer
         except CorralError as e:
             code = e.code.value
-            reply = messages.error(e.code.value, e.message, e.retry_after_s)
+            reply = envelope.error(e.code.value, e.message, e.retry_after_s)
         except asyncio.CancelledError:
             code = Code.UNAVAILABLE.value
-            reply = messages.error(code, f"{self.service} is shutting down; retry")
+            reply = envelope.error(code, f"{self.service} is shutting down; retry")
         except Exception as e:  # a bug: answer, log, keep serving
             code = Code.INTERNAL.value
             log.exception("handler failed", extra={"fields": {"op": op, "subject": msg.subject}})
-            reply = messages.error(code, f"internal error in {self.service} ({type(e).__name__}: {e})")
+            reply = envelope.error(code, f"internal error in {self.service} ({type(e).__name__}: {e})")
         metrics.REQUESTS.labels(self.service, op, code).inc()
         metrics.REQUEST_SECONDS.labels(self.service, op).observe(time.perf_counter() - t0)
         if reply is not None and msg.reply:

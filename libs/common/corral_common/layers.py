@@ -16,83 +16,17 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 
 from .contract.errors import Internal, InvalidRequest, NotFound
-
-KV_IMAGES = "corral_images"
-KV_LAYERS = "corral_layers"
-KV_TRACES = "corral_traces"
-CHUNK_BUCKET = "corral_chunks"
+from .contract.images import CHUNK_BUCKET, DEFAULT_CHUNK, KV_IMAGES, KV_LAYERS, KV_TRACES, MAX_CHUNK, MIN_CHUNK, ImageManifest, LayerManifest, Trace
 
 EROFS_UUID = "c0a11a00-0000-4000-8000-000000000001"
-DEFAULT_CHUNK = 1 << 20
-MIN_CHUNK = 256 << 10
-MAX_CHUNK = 4 << 20
-
 IMAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 DIGEST = re.compile(r"^sha256-[0-9a-f]{64}$")
-
-
-class LayerManifest(msgspec.Struct, kw_only=True):
-    digest: str  # "sha256-<hex of the whole EROFS file>" (a valid KV key and path component)
-    size: int
-    chunk_size: int
-    chunks: list[str]  # sha256 hex of each chunk, in order; the last one may be short
-    created_at: float
-    source: str = ""
-    media_type: str = "erofs"
-
-    def chunk_len(self, i: int) -> int:
-        return min(self.chunk_size, self.size - i * self.chunk_size)
-
-
-class ImageManifest(msgspec.Struct, kw_only=True):
-    name: str
-    layers: list[str]  # layer digests, bottom first
-    created_at: float
-    size: int = 0
-    labels: dict[str, str] = {}
-    parent: str = ""  # the image this one was composed on, if any
-
-
-class TraceRead(msgspec.Struct, array_like=True):
-    layer: str
-    chunk: int
-
-
-class Trace(msgspec.Struct, kw_only=True):
-    """Chunks an image's first start touched, in first-access order (replayed as prefetch)."""
-
-    image: str
-    reads: list[TraceRead]
-    recorded_at: float
-    node: str = ""
-
-
-# ---------------------------------------------------------------- the node loader's bus protocol
-
-LOADER_OPS = ("prepare", "release", "stats", "evict")  # subjects.node_loader(node, op)
-
-
-class LoaderPrepare(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Make the layers visible as `<mount>/<digest>` and count one use of each (until release).
-    `image` (may be empty) selects the prefetch trace to replay, or to record if none exists."""
-
-    image: str = ""
-    layers: list[str]
-
-
-class LoaderRelease(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    layers: list[str]
-
-
-class LoaderEvict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    layer: str | None = None
 
 
 def check_image_name(name: str) -> str:
@@ -372,34 +306,3 @@ class Catalog:
 
     async def put_trace(self, t: Trace) -> None:
         await self.traces.put(t.image, msgspec.json.encode(t))
-
-
-# ---------------------------------------------------------------- the image bus API (corral.v1.image.*)
-
-ImportSource = Literal["dir", "tar", "docker_archive", "upper", "layers", "builtin"]
-
-
-class ImportRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`path` is on the image-cache's machine (the embedded stack shares one machine)."""
-
-    name: str
-    source: ImportSource
-    path: str = ""
-    base: str = ""  # compose on top of this image's layers
-    layers: list[str] = []  # source "layers": existing layer digests, bottom first
-    labels: dict[str, str] = {}
-    chunk_size: int = DEFAULT_CHUNK
-
-
-class NameRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    name: str
-
-
-class LayerSummary(msgspec.Struct, kw_only=True):
-    digest: str
-    size: int
-    chunk_size: int
-    chunks: int
-    unique_chunks: int
-    source: str
-    created_at: float

@@ -6,14 +6,19 @@ import asyncio
 import os
 import re
 import sys
+from typing import Any
 
+import msgspec
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from corral_common import config
 from corral_common.contract import subjects
-from corral_common.contract.errors import CorralError
+from corral_common.contract.envelope import R
+from corral_common.contract.errors import CorralError, InvalidRequest
+from corral_common.contract.images import ImageDeleteReply, ImageListReply, ImportReply, ImportRequest, InspectReply, NameRequest
+from corral_common.contract.messages import Empty
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="corral: sandboxes for training and evaluating AI agents")
 sandbox_app = typer.Typer(no_args_is_help=True, help="create, exec in, list and remove sandboxes")
@@ -203,25 +208,17 @@ def _image_root(image_dir: str | None) -> str:
     return image_dir or os.environ.get("CORRAL_IMAGE_DIR") or "/var/lib/corral/images"
 
 
-def _image_call(op: str, body: dict, timeout: float = 600.0):
+def _image_call(subject: str, body: Any, typ: type[R], timeout: float = 600.0) -> R:
     import asyncio
-
-    import msgspec
 
     from .client import AsyncClient
 
-    async def go():
+    async def go() -> R:
         c = await AsyncClient.connect(config.nats_url(None))
         try:
-            msg = await c.nc.request(subjects.image_op(op), msgspec.json.encode(body), timeout=timeout)
+            return await c.request(subject, body, typ, timeout)
         finally:
             await c.close()
-        r = msgspec.json.decode(msg.data)
-        if not r.get("ok"):
-            from corral_common.contract.errors import from_code
-
-            raise from_code(r["error"]["code"], r["error"]["message"])
-        return r
 
     try:
         return asyncio.run(go())
@@ -248,8 +245,8 @@ def image_build(name: str, image_dir: str = typer.Option(None), load: bool = typ
     except Exception:
         console.print("no stack running: the image-cache imports it when it starts")
         raise typer.Exit(0) from None
-    r = _image_call("import", {"name": name, "source": "builtin"})
-    console.print(f"imported {name}: {len(r['image']['layers'])} layer(s), {r['image']['size'] / 2**20:.1f} MiB")
+    r = _image_call(subjects.IMAGE_IMPORT, ImportRequest(name=name, source="builtin"), ImportReply)
+    console.print(f"imported {name}: {len(r.image.layers)} layer(s), {r.image.size / 2**20:.1f} MiB")
 
 
 @image_app.command("import")
@@ -257,39 +254,39 @@ def image_import(name: str, path: str, source: str = typer.Option("dir", help="d
                  base: str = typer.Option("", help="compose on top of this image"),
                  label: list[str] = typer.Option([], help="key=value")) -> None:
     """Import a directory, tarball or `docker save` archive as a layered image."""
-    body = {"name": name, "source": source, "path": os.path.abspath(path), "base": base,
-            "labels": dict(kv.split("=", 1) for kv in label)}
+    try:
+        req = msgspec.convert({"name": name, "source": source, "path": os.path.abspath(path), "base": base,
+                               "labels": dict(kv.split("=", 1) for kv in label)}, ImportRequest)
+    except (msgspec.ValidationError, ValueError) as e:
+        _fail(InvalidRequest(f"invalid import: {e}"))
     with console.status(f"importing {path}"):
-        r = _image_call("import", body)
-    img = r["image"]
-    console.print(f"{name}: {len(img['layers'])} layer(s), {img['size'] / 2**20:.1f} MiB, uploaded {r['uploaded_bytes'] / 2**20:.1f} MiB")
+        r = _image_call(subjects.IMAGE_IMPORT, req, ImportReply)
+    console.print(f"{name}: {len(r.image.layers)} layer(s), {r.image.size / 2**20:.1f} MiB, uploaded {r.uploaded_bytes / 2**20:.1f} MiB")
 
 
 @image_app.command("ls")
 def image_ls() -> None:
     """List images in the catalog."""
-    r = _image_call("list", {})
+    r = _image_call(subjects.IMAGE_LIST, Empty(), ImageListReply)
     t = Table("name", "layers", "size MiB", "parent", "labels")
-    for i in r["images"]:
-        t.add_row(i["name"], str(len(i["layers"])), f"{i.get('size', 0) / 2**20:.1f}", i.get("parent", ""),
-                  ",".join(f"{k}={v}" for k, v in i.get("labels", {}).items()))
+    for i in r.images:
+        t.add_row(i.name, str(len(i.layers)), f"{i.size / 2**20:.1f}", i.parent, ",".join(f"{k}={v}" for k, v in i.labels.items()))
     Console().print(t)
 
 
 @image_app.command("inspect")
 def image_inspect(name: str) -> None:
     """Show an image's layers and chunks."""
-    import json as _json
-
-    print(_json.dumps(_image_call("inspect", {"name": name}), indent=2))
+    r = _image_call(subjects.IMAGE_INSPECT, NameRequest(name=name), InspectReply)
+    print(msgspec.json.format(msgspec.json.encode(r), indent=2).decode())
 
 
 @image_app.command("rm")
 def image_rm(names: list[str]) -> None:
     """Delete images (and the layers and chunks nothing else uses)."""
     for n in names:
-        r = _image_call("delete", {"name": n})
-        print(f"{n}: freed {r['freed_layers']} layer(s), {r['freed_chunks']} chunk(s)")
+        r = _image_call(subjects.IMAGE_DELETE, NameRequest(name=n), ImageDeleteReply)
+        print(f"{n}: freed {r.freed_layers} layer(s), {r.freed_chunks} chunk(s)")
 
 
 def _traj_run(coro_fn):
@@ -360,6 +357,40 @@ def demo(
                               report=report, parallel=parallel, console=Console()))
     raise typer.Exit(rc)
 
+
+@app.command()
+def contract(out: str = typer.Option("docs/contract", help="directory to write asyncapi.json and schemas/ into"),
+             check: bool = typer.Option(False, help="write nothing; exit 1 if the files in OUT differ from the code")) -> None:
+    """The bus contract as documents: an AsyncAPI 3 document of every subject and a JSON Schema per message."""
+    from corral_common.contract import asyncapi
+
+    want = asyncapi.files()
+    if check:
+        stale = []
+        for rel, text in want.items():
+            try:
+                with open(os.path.join(out, rel), encoding="utf-8") as f:
+                    if f.read() != text:
+                        stale.append(rel)
+            except FileNotFoundError:
+                stale.append(rel)
+        have = {os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs}
+        extra = sorted(have - set(want))
+        if stale or extra:
+            console.print(f"[red]{out} is out of date[/red]: {len(stale)} changed or missing, {len(extra)} no longer generated "
+                          f"({', '.join((stale + extra)[:8])}); run `corral contract --out {out}`")
+            raise typer.Exit(1)
+        console.print(f"{out}: {len(want)} files, current")
+        return
+    import shutil
+
+    shutil.rmtree(os.path.join(out, "schemas"), ignore_errors=True)
+    for rel, text in want.items():
+        path = os.path.join(out, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    console.print(f"wrote {len(want)} files into {out}")
 
 from .cli_monitor import register as _register_monitor  # noqa: E402  (alerts, report, monitor)
 

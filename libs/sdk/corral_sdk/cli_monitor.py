@@ -19,7 +19,10 @@ from rich.table import Table
 
 from corral_common import config, extras
 from corral_common.contract import subjects
-from corral_common.contract.errors import CorralError, from_code
+from corral_common.contract.audit import QueryReply, QueryRequest
+from corral_common.contract.envelope import decode_reply
+from corral_common.contract.errors import CorralError
+from corral_common.contract.messages import encoder
 
 QUERY_SUBJECT = subjects.MONITOR_QUERY
 alerts_app = typer.Typer(no_args_is_help=True, help="follow and list the monitor's alerts")
@@ -100,16 +103,13 @@ class Querier:
 
         assert self._nc is not None
         try:
-            msg = await self._nc.request(QUERY_SUBJECT, json.dumps({"sql": sql, "timeout_s": min(60, timeout)}).encode(), timeout=timeout + 5)
+            msg = await self._nc.request(QUERY_SUBJECT, encoder.encode(QueryRequest(sql=sql, timeout_s=min(60, timeout))), timeout=timeout + 5)
         except NoRespondersError:
             raise CorralError(f"no monitor answers {QUERY_SUBJECT}: is the corral stack (with its monitor) running?") from None
         except NatsTimeout:
             raise CorralError(f"the monitor did not answer within {timeout + 5:g}s") from None
-        r = json.loads(msg.data)
-        if not r.get("ok"):
-            e = r.get("error") or {}
-            raise from_code(e.get("code", "internal"), e.get("message", "query failed"))
-        return r["columns"], r["rows"]
+        r = decode_reply(msg.data, QueryReply)
+        return r.columns, r.rows
 
     async def records(self, sql: str) -> list[dict[str, Any]]:
         cols, rows = await self.query(sql)

@@ -75,8 +75,8 @@ def register(app: typer.Typer, image_app: typer.Typer) -> None:
                 img = asyncio.run(import_docker_image(config.nats_url(nats), image, name))
         except CorralError as e:
             _fail(e)
-        console.print(f"{img['name']}: {len(img['layers'])} layer(s), {img['size'] / 2**20:.1f} MiB")
-        print(img["name"])
+        console.print(f"{img.name}: {len(img.layers)} layer(s), {img.size / 2**20:.1f} MiB")
+        print(img.name)
 
 
 def main() -> None:

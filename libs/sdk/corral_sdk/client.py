@@ -7,7 +7,7 @@ import base64
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import nats
@@ -17,53 +17,41 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from corral_common import config
 from corral_common.contract import subjects
-from corral_common.contract.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable, from_code
+from corral_common.contract.envelope import R, decode_reply
+from corral_common.contract.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable
 from corral_common.contract.messages import (
     AuditState,
     BatchProgress,
     ChangesReply,
     ChangesRequest,
     CreateBatchRequest,
+    Empty,
     ExecChunk,
     ExecRequest,
     ExecResult,
-    FileContent,
+    FileReadRequest,
+    FileWriteRequest,
     ListRequest,
+    RenewRequest,
     SandboxInfo,
     SandboxSpec,
+    SnapshotRequest,
     encoder,
     new_id,
 )
-
-_T = TypeVar("_T")
-
-
-class _Error(msgspec.Struct):
-    code: str
-    message: str
-    retry_after_s: float | None = None
-
-
-class _Reply(msgspec.Struct):
-    ok: bool
-    error: _Error | None = None
-    sandbox: SandboxInfo | None = None
-    sandboxes: list[SandboxInfo] | None = None
-    failed: list[dict[str, Any]] | None = None
-    result: ExecResult | None = None
-    file: FileContent | None = None
-    usage: dict[str, Any] | None = None
-    raw: dict[str, Any] | None = None  # the whole reply, for fields this struct does not name
-
-
-def _check(data: bytes, raw: bool = False) -> _Reply:
-    r = msgspec.json.decode(data, type=_Reply)
-    if not r.ok:
-        e = r.error or _Error(code="internal", message="error reply without details")
-        raise from_code(e.code, e.message, e.retry_after_s)
-    if raw:
-        r.raw = msgspec.json.decode(data)
-    return r
+from corral_common.contract.replies import (
+    CreateBatchReply,
+    DestroyReply,
+    ExecReply,
+    FileReadReply,
+    FileWriteReply,
+    InfoReply,
+    RunReply,
+    SandboxListReply,
+    SandboxReply,
+    SnapshotReply,
+    decode_exec_frame,
+)
 
 
 class AsyncClient:
@@ -93,7 +81,9 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def request(self, subject: str, payload: bytes, timeout: float, sandbox_id: str | None = None, raw: bool = False) -> _Reply:
+    async def request(self, subject: str, body: msgspec.Struct | bytes, typ: type[R], timeout: float, sandbox_id: str | None = None) -> R:
+        """One request; its success reply decoded as `typ`, an error reply raised as its CorralError."""
+        payload = body if isinstance(body, bytes) else encoder.encode(body)
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout)
         except NoRespondersError:
@@ -105,19 +95,13 @@ class AsyncClient:
         except MaxPayloadError:
             raise InvalidRequest(f"request of {len(payload)} bytes is larger than the bus allows "
                                  f"({self.nc.max_payload} bytes); split it (e.g. several files.write calls)") from None
-        return _check(msg.data, raw)
-
-    async def request_as(self, subject: str, payload: bytes, typ: type[_T], timeout: float, sandbox_id: str | None = None) -> _T:
-        """A request whose success reply (`{"ok": true, **fields}`) is decoded as `typ`."""
-        r = await self.request(subject, payload, timeout, sandbox_id=sandbox_id, raw=True)
-        return msgspec.convert(r.raw, typ)
+        return decode_reply(msg.data, typ)
 
     # ---------------------------------------------------------------- sandboxes
 
     async def create(self, image: str = "busybox", substrate: str = "container", *, timeout: float = 60.0, **kw: Any) -> AsyncSandbox:
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
-        r = await self.request(subjects.SANDBOX_CREATE, encoder.encode(spec), timeout)
-        assert r.sandbox is not None
+        r = await self.request(subjects.SANDBOX_CREATE, spec, SandboxReply, timeout)
         return AsyncSandbox(self, r.sandbox)
 
     async def create_spec(self, spec: SandboxSpec, timeout: float = 60.0, wait_for_capacity_s: float = 0.0) -> AsyncSandbox:
@@ -129,14 +113,13 @@ class AsyncClient:
         deadline = time.monotonic() + wait_for_capacity_s
         while True:
             try:
-                r = await self.request(subjects.SANDBOX_CREATE, encoder.encode(spec), timeout)
+                r = await self.request(subjects.SANDBOX_CREATE, spec, SandboxReply, timeout)
                 break
             except (Capacity, Unavailable) as e:
                 pause = min(max(e.retry_after_s or 1.0, 0.1), 5.0)
                 if time.monotonic() + pause > deadline or (isinstance(e, Unavailable) and e.retry_after_s is None):
                     raise
                 await asyncio.sleep(pause)
-        assert r.sandbox is not None
         return AsyncSandbox(self, r.sandbox)
 
     def trajectory(self, trajectory_id: str, image: str = "busybox", substrate: str = "container", *,
@@ -161,18 +144,18 @@ class AsyncClient:
         returns the same sandboxes and makes only what is missing. `progress(BatchProgress)` (plain
         or async function) is called on each progress event and on the final one (`done`)."""
         r = await self.create_batch_reply(count, image, substrate, timeout=timeout, progress=progress, batch_id=batch_id, **kw)
-        return [AsyncSandbox(self, i) for i in r.sandboxes or []]
+        return [AsyncSandbox(self, i) for i in r.sandboxes]
 
     async def create_batch_reply(self, count: int, image: str = "busybox", substrate: str = "container", *, timeout: float = 300.0,
                                  progress: Callable[[BatchProgress], Any] | None = None, batch_id: str | None = None,
-                                 **kw: Any) -> _Reply:
-        """create_batch, answering the whole reply: `.sandboxes`, `.failed` ([{index, code, message}])
-        and `.raw["batch_id"]`; `.raw["truncated"]` counts sandboxes made but left out of a reply too
-        large for the bus (list them by job or labels)."""
+                                 **kw: Any) -> CreateBatchReply:
+        """create_batch, answering the whole reply: `.sandboxes`, `.failed` (BatchFailure: index, code,
+        message), `.batch_id`, and `.truncated`, which counts sandboxes made but left out of a reply
+        too large for the bus (list them by job or labels)."""
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
         if progress is None:
             req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
-            return await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(req), timeout, raw=True)
+            return await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout)
         batch_id = batch_id or new_id("batch")
         done = asyncio.Event()
 
@@ -190,7 +173,7 @@ class AsyncClient:
         sub = await self.nc.subscribe(subjects.batch_event(batch_id, "*"), cb=on_event)
         try:
             req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
-            r = await self.request(subjects.SANDBOX_CREATE_BATCH, encoder.encode(req), timeout, raw=True)
+            r = await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout)
             try:  # the final event is sent before the reply; give its callback a moment to run
                 await asyncio.wait_for(done.wait(), 2.0)
             except asyncio.TimeoutError:
@@ -213,8 +196,7 @@ class AsyncClient:
         req = RunRequest(spec=RunSpec(image=image, substrate=substrate, **spec),  # type: ignore[arg-type]
                          exec=ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s,
                                           max_output_bytes=max_output_bytes))
-        r = await self.request(subjects.SANDBOX_RUN, encoder.encode(req), timeout or timeout_s + 45)
-        assert r.result is not None
+        r = await self.request(subjects.SANDBOX_RUN, req, RunReply, timeout or timeout_s + 45)
         return r.result
 
     async def call(self, fn: Any, *args: Any, image: str = "debian", substrate: str = "function", timeout_s: float = 60.0,
@@ -230,8 +212,8 @@ class AsyncClient:
         return functions.decode_result(r, fn)
 
     async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        r = await self.request(subjects.SANDBOX_LIST, encoder.encode(ListRequest(job=job, labels=labels)), 10.0)
-        return r.sandboxes or []
+        r = await self.request(subjects.SANDBOX_LIST, ListRequest(job=job, labels=labels), SandboxListReply, 10.0)
+        return r.sandboxes
 
     def sandbox(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox (e.g. one created by another process)."""
@@ -258,8 +240,7 @@ class AsyncFiles:
         self._sb = sb
 
     async def read(self, path: str, max_bytes: int = 16 * 1024 * 1024) -> bytes:
-        r = await self._sb._call("files.read", {"path": path, "max_bytes": max_bytes})
-        assert r.file is not None
+        r = await self._sb._call("files.read", FileReadRequest(path=path, max_bytes=max_bytes), FileReadReply)
         return base64.b64decode(r.file.content_b64)
 
     async def read_text(self, path: str) -> str:
@@ -267,7 +248,7 @@ class AsyncFiles:
 
     async def write(self, path: str, content: bytes | str, mode: int = 0o644) -> None:
         data = content.encode() if isinstance(content, str) else content
-        await self._sb._call("files.write", {"path": path, "content_b64": base64.b64encode(data).decode(), "mode": mode})
+        await self._sb._call("files.write", FileWriteRequest(path=path, content_b64=base64.b64encode(data).decode(), mode=mode), FileWriteReply)
 
 
 class AsyncSandbox:
@@ -294,8 +275,8 @@ class AsyncSandbox:
 
     _owns_client = False
 
-    async def _call(self, op: str, body: dict[str, Any] | msgspec.Struct, timeout: float = 30.0, raw: bool = False) -> _Reply:
-        return await self.client.request(subjects.sandbox_op(self.id, op), encoder.encode(body), timeout, sandbox_id=self.id, raw=raw)
+    async def _call(self, op: str, body: msgspec.Struct, typ: type[R], timeout: float = 30.0) -> R:
+        return await self.client.request(subjects.sandbox_op(self.id, op), body, typ, timeout, sandbox_id=self.id)
 
     async def exec(self, cmd: str | list[str], *, stdin: str = "", env: dict[str, str] | None = None, cwd: str | None = None,
                    timeout_s: float = 60.0, session: str = "", max_output_bytes: int = 1024 * 1024,
@@ -303,8 +284,7 @@ class AsyncSandbox:
         req = ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s, session=session,
                           max_output_bytes=max_output_bytes, trajectory=trajectory, step=step,
                           on_divergence=on_divergence)  # type: ignore[arg-type]
-        r = await self._call("exec", req, timeout=timeout_s + 15)
-        assert r.result is not None
+        r = await self._call("exec", req, ExecReply, timeout=timeout_s + 15)
         return r.result
 
     async def exec_stream(self, cmd: str | list[str], *, timeout_s: float = 600.0, **kw: Any) -> AsyncIterator[ExecChunk | ExecResult]:
@@ -322,12 +302,11 @@ class AsyncSandbox:
                     raise Timeout(f"exec on {self.id} sent nothing for {timeout_s + 15:g}s") from None
                 if msg.headers and msg.headers.get("Status") == "503":
                     raise NotFound(f"no node owns sandbox {self.id!r}")
-                if msg.data.startswith(b'{"kind":"chunk"'):
-                    yield msgspec.json.decode(msg.data, type=ExecChunk)
+                frame = decode_exec_frame(msg.data)
+                if isinstance(frame, ExecChunk):
+                    yield frame
                     continue
-                r = _check(msg.data)
-                assert r.result is not None
-                yield r.result
+                yield frame.result
                 return
         finally:
             await sub.unsubscribe()
@@ -341,22 +320,20 @@ class AsyncSandbox:
         return functions.decode_result(r, fn)
 
     async def refresh(self, timeout: float = 30.0) -> SandboxInfo:
-        r = await self._call("info", {}, timeout=timeout)
-        assert r.sandbox is not None
+        r = await self._call("info", Empty(), InfoReply, timeout=timeout)
         self.info = r.sandbox
         return self.info
 
     async def renew(self, ttl_s: float | None = None) -> SandboxInfo:
         """Extend the lease: the sandbox now expires ttl_s (default: its own ttl_s) from now."""
-        r = await self._call("renew", {"ttl_s": ttl_s} if ttl_s else {})
-        assert r.sandbox is not None
+        r = await self._call("renew", RenewRequest(ttl_s=ttl_s or None), SandboxReply)
         self.info = r.sandbox
         return self.info
 
     async def snapshot(self, name: str = "", labels: dict[str, str] | None = None) -> str:
         """Snapshot the sandbox's filesystem as an image; returns the image name."""
-        r = await self._call("snapshot", {"name": name, "labels": labels or {}}, timeout=600, raw=True)
-        return r.raw["image"]["name"] if r.raw else ""
+        r = await self._call("snapshot", SnapshotRequest(name=name, labels=labels or {}), SnapshotReply, timeout=600)
+        return r.image.name
 
     async def changes(self, include: list[str] | None = None, exclude: list[str] | None = None, *,
                       max_archive_bytes: int = 4 * 1024 * 1024, max_entries: int = 50_000, timeout: float = 120.0) -> ChangesReply:
@@ -364,23 +341,22 @@ class AsyncSandbox:
         meanwhile); the changed regular files and symlinks under `include` come as a gzip'd tar
         in `archive_b64`. Paths are absolute."""
         req = ChangesRequest(include=include or [], exclude=exclude or [], max_archive_bytes=max_archive_bytes, max_entries=max_entries)
-        return await self.client.request_as(subjects.sandbox_op(self.id, "changes"), encoder.encode(req), ChangesReply, timeout,
-                                            sandbox_id=self.id)
+        return await self._call("changes", req, ChangesReply, timeout)
 
     async def audit_state(self, timeout: float = 30.0) -> AuditState:
         """Have the node publish every audit event of this sandbox so far, and say up to which
         CORRAL_AUDIT stream sequence that is and what was lost."""
-        return await self.client.request_as(subjects.sandbox_op(self.id, "audit"), b"{}", AuditState, timeout, sandbox_id=self.id)
+        return await self._call("audit", Empty(), AuditState, timeout)
 
     async def pause(self) -> None:
-        await self._call("pause", {})
+        await self._call("pause", Empty(), SandboxReply)
 
     async def resume(self) -> None:
-        await self._call("resume", {})
+        await self._call("resume", Empty(), SandboxReply)
 
     async def destroy(self) -> None:
         try:
-            await self._call("destroy", {}, timeout=60)
+            await self._call("destroy", Empty(), DestroyReply, timeout=60)
         finally:
             if self._owns_client:
                 await self.client.close()

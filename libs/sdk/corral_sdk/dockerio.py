@@ -10,17 +10,17 @@ runs the image-cache, as the embedded stack does):
   image-cache runs on the same machine."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
-from typing import Any
 
 import nats
 
 from corral_common import config, dockerimg
 from corral_common.contract import subjects
-from corral_common.contract.errors import from_code
+from corral_common.contract.envelope import decode_reply
+from corral_common.contract.images import ImageManifest, ImportReply, ImportRequest
+from corral_common.contract.messages import encoder
 
 
 def corral_name(docker_ref: str) -> str:
@@ -38,7 +38,7 @@ async def export_image(nats_url: str | None, name: str, ref: str | None = None) 
 
 
 async def import_docker_image(nats_url: str | None, docker_ref: str, name: str | None = None,
-                              labels: dict[str, str] | None = None, timeout: float = 1800) -> dict[str, Any]:
+                              labels: dict[str, str] | None = None, timeout: float = 1800) -> ImageManifest:
     name = name or corral_name(docker_ref)
     docker = await dockerimg.connect()
     fd, path = tempfile.mkstemp(prefix="corral-docker-save-", suffix=".tar")
@@ -48,15 +48,11 @@ async def import_docker_image(nats_url: str | None, docker_ref: str, name: str |
         os.chmod(path, 0o644)
         nc = await nats.connect(config.nats_url(nats_url))
         try:
-            body = {"name": name, "source": "docker_archive", "path": path, "labels": {"docker_image": docker_ref, **(labels or {})}}
-            msg = await nc.request(subjects.IMAGE_IMPORT, json.dumps(body).encode(), timeout=timeout)
+            req = ImportRequest(name=name, source="docker_archive", path=path, labels={"docker_image": docker_ref, **(labels or {})})
+            msg = await nc.request(subjects.IMAGE_IMPORT, encoder.encode(req), timeout=timeout)
         finally:
             await nc.close()
-        r = json.loads(msg.data)
-        if not r.get("ok"):
-            e = r.get("error") or {}
-            raise from_code(e.get("code", "internal"), e.get("message", "import failed"))
-        return r["image"]
+        return decode_reply(msg.data, ImportReply).image
     finally:
         await docker.close()
         try:

@@ -14,17 +14,22 @@ from corral_common.contract import subjects
 from corral_common.contract.envs import (
     ENV_LABEL,
     ENV_VERSION_LABEL,
+    EnvBuildReply,
     EnvBuildRequest,
     EnvBuildResult,
+    EnvDeleteReply,
+    EnvGetReply,
+    EnvGradeReply,
     EnvGradeRequest,
     EnvGradeResult,
+    EnvListReply,
     EnvListRequest,
     EnvProgress,
     EnvRecord,
     EnvRef,
     EnvSpec,
 )
-from corral_common.contract.messages import SandboxSpec, encoder
+from corral_common.contract.messages import SandboxSpec
 
 if TYPE_CHECKING:
     from .client import AsyncClient, AsyncSandbox
@@ -32,30 +37,9 @@ if TYPE_CHECKING:
 ProgressCallback = Callable[[EnvProgress], Awaitable[None] | None]
 
 
-class _BuildReply(msgspec.Struct):
-    build: EnvBuildResult
-
-
-class _GradeReply(msgspec.Struct):
-    grade: EnvGradeResult
-
-
-class _GetReply(msgspec.Struct):
-    env: EnvRecord
-    versions: list[str] = []
-
-
-class _ListReply(msgspec.Struct):
-    envs: list[EnvRecord] = []
-
-
 class Envs:
     def __init__(self, client: AsyncClient):
         self.client = client
-
-    async def _call(self, subject: str, req: msgspec.Struct, typ: type, timeout: float) -> Any:
-        r = await self.client.request(subject, encoder.encode(req), timeout, raw=True)
-        return msgspec.convert(r.raw, type=typ, strict=False)
 
     async def build(self, spec: EnvSpec | dict, *, job: str = "", progress: ProgressCallback | None = None,
                     timeout: float = 1800.0) -> EnvBuildResult:
@@ -77,23 +61,23 @@ class Envs:
 
             sub = await self.client.nc.subscribe(subjects.env_progress(build_id), cb=on_msg)
         try:
-            r = await self._call(subjects.ENV_BUILD, EnvBuildRequest(spec=spec, job=job, build_id=build_id), _BuildReply, timeout)
+            r = await self.client.request(subjects.ENV_BUILD, EnvBuildRequest(spec=spec, job=job, build_id=build_id), EnvBuildReply, timeout)
             return r.build
         finally:
             if sub is not None:
                 await sub.unsubscribe()
 
     async def list(self, prefix: str = "") -> list[EnvRecord]:
-        return (await self._call(subjects.ENV_LIST, EnvListRequest(prefix=prefix), _ListReply, 30)).envs
+        return (await self.client.request(subjects.ENV_LIST, EnvListRequest(prefix=prefix), EnvListReply, 30)).envs
 
     async def get(self, name: str, version: str = "") -> EnvRecord:
-        return (await self._call(subjects.ENV_GET, EnvRef(name=name, version=version), _GetReply, 30)).env
+        return (await self.client.request(subjects.ENV_GET, EnvRef(name=name, version=version), EnvGetReply, 30)).env
 
     async def versions(self, name: str) -> list[str]:
-        return (await self._call(subjects.ENV_GET, EnvRef(name=name), _GetReply, 30)).versions
+        return (await self.client.request(subjects.ENV_GET, EnvRef(name=name), EnvGetReply, 30)).versions
 
     async def delete(self, name: str, version: str = "") -> None:
-        await self.client.request(subjects.ENV_DELETE, encoder.encode(EnvRef(name=name, version=version)), 60)
+        await self.client.request(subjects.ENV_DELETE, EnvRef(name=name, version=version), EnvDeleteReply, 60)
 
     async def rollout(self, name: str, version: str = "", *, job: str = "", labels: dict[str, str] | None = None,
                       wait_for_capacity_s: float = 120.0, **spec: Any) -> AsyncSandbox:
@@ -114,4 +98,4 @@ class Envs:
         sid = sandbox if isinstance(sandbox, str) else sandbox.id
         req = EnvGradeRequest(sandbox_id=sid, name=name, version=version, destroy=destroy, fail_on=fail_on,  # type: ignore[arg-type]
                               require_monitor=require_monitor, alert_wait_s=alert_wait_s)
-        return (await self._call(subjects.ENV_GRADE, req, _GradeReply, timeout)).grade
+        return (await self.client.request(subjects.ENV_GRADE, req, EnvGradeReply, timeout)).grade

@@ -18,19 +18,23 @@ import msgspec
 
 from corral_common.contract import subjects
 from corral_common.contract.errors import NotFound, Timeout
-from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, encoder
+from corral_common.contract.messages import (
+    ExecRequest,
+    ExecResult,
+    RestoreRequest,
+    SandboxSpec,
+    TrajEntry,
+    TrajGetRequest,
+    TrajListRequest,
+    TrajMeta,
+    TrajOpenRequest,
+    TrajRef,
+)
+from corral_common.contract.replies import RestoreReply, TrajDeleteReply, TrajGetReply, TrajListReply, TrajReply
 from corral_common.contract.traj import input_hash
 
 if TYPE_CHECKING:
     from .client import AsyncClient, AsyncSandbox
-
-
-class _MetaReply(msgspec.Struct):
-    ok: bool
-    trajectory: TrajMeta | None = None
-    trajectories: list[TrajMeta] | None = None
-    recent: list[TrajEntry] | None = None
-    rerun_steps: int = 0
 
 
 class Trajectories:
@@ -39,34 +43,28 @@ class Trajectories:
     def __init__(self, client: AsyncClient):
         self.client = client
 
-    async def _req(self, subject: str, body: dict) -> _MetaReply:
-        r = await self.client.request(subject, encoder.encode(body), 30.0, raw=True)
-        return msgspec.convert(r.raw, _MetaReply)
-
     async def list(self, prefix: str = "") -> list[TrajMeta]:
-        return (await self._req(subjects.TRAJ_LIST, {"prefix": prefix})).trajectories or []
+        return (await self.client.request(subjects.TRAJ_LIST, TrajListRequest(prefix=prefix), TrajListReply, 30.0)).trajectories
 
     async def get(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
         """The trajectory and its 20 most recent steps."""
-        r = await self._req(subjects.TRAJ_GET, {"id": tid})
-        assert r.trajectory is not None
-        return r.trajectory, r.recent or []
+        r = await self.client.request(subjects.TRAJ_GET, TrajGetRequest(id=tid), TrajGetReply, 30.0)
+        return r.trajectory, r.recent
 
     async def entries(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
         """The trajectory and every logged step, fetched in pages."""
         out: list[TrajEntry] = []
         step = 0
         while True:
-            r = await self._req(subjects.TRAJ_GET, {"id": tid, "from_step": step})
-            assert r.trajectory is not None
-            page = r.recent or []
+            r = await self.client.request(subjects.TRAJ_GET, TrajGetRequest(id=tid, from_step=step), TrajGetReply, 30.0)
+            page = r.recent
             out += page
             if not page or page[-1].step >= r.trajectory.last_step:
                 return r.trajectory, out
             step = page[-1].step + 1
 
     async def delete(self, tid: str) -> None:
-        await self._req(subjects.TRAJ_DELETE, {"id": tid})
+        await self.client.request(subjects.TRAJ_DELETE, TrajRef(id=tid), TrajDeleteReply, 30.0)
 
 
 class Trajectory:
@@ -102,9 +100,8 @@ class Trajectory:
             meta = None
         if meta is None:
             sb = await self.client.create_spec(self.spec)
-            r = await tr._req(subjects.TRAJ_OPEN, {"id": self.id, "sandbox_id": sb.id, "spec": self.spec,
-                                                     "snapshot_every": self.snapshot_every})
-            assert r.trajectory is not None
+            r = await self.client.request(subjects.TRAJ_OPEN, TrajOpenRequest(id=self.id, sandbox_id=sb.id, spec=self.spec,
+                                                                              snapshot_every=self.snapshot_every), TrajReply, 30.0)
             if r.trajectory.sandbox_id != sb.id:  # another opener won the race
                 await sb.destroy()
                 sb = await self._attach(r.trajectory)
@@ -131,8 +128,8 @@ class Trajectory:
         # the sandbox is gone: a new one from the last snapshot, then the node re-runs the rest
         image = meta.snapshots[-1].image if meta.snapshots else meta.spec.image
         sb = await self.client.create_spec(msgspec.structs.replace(meta.spec, image=image, request_id=""))
-        r = await sb._call("restore", {"trajectory": self.id}, timeout=3600, raw=True)
-        self.rerun_steps = (r.raw or {}).get("rerun_steps", 0)
+        r = await sb._call("restore", RestoreRequest(trajectory=self.id), RestoreReply, timeout=3600)
+        self.rerun_steps = r.rerun_steps
         return sb
 
     async def _renew_loop(self) -> None:

@@ -22,7 +22,8 @@ from corral_common.contract.envs import (
     spec_digest,
 )
 from corral_common.contract.errors import CorralError, InvalidRequest, NotFound
-from corral_common.contract.messages import SandboxSpec, encoder
+from corral_common.contract.images import ImageDeleteReply, NameRequest
+from corral_common.contract.messages import SandboxSpec
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import gitpin, surface, testrun, verify, workspace
@@ -198,6 +199,6 @@ class Builder:
 
     async def _delete_image(self, image: str) -> None:
         try:
-            await self.client.request(subjects.IMAGE_DELETE, encoder.encode({"name": image}), 60)
+            await self.client.request(subjects.IMAGE_DELETE, NameRequest(name=image), ImageDeleteReply, 60)
         except Exception:
             pass  # never made (the build failed before its snapshot)

@@ -35,7 +35,7 @@ from corral_common.contract.envs import (
     TestOutcome,
 )
 from corral_common.contract.errors import CorralError, Internal, InvalidRequest, Timeout, Unavailable
-from corral_common.contract.messages import AuditState, ExecResult, SandboxSpec, encoder
+from corral_common.contract.messages import AuditState, ExecResult, SandboxSpec
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import codescan, surface, testrun, verify, workspace
@@ -214,7 +214,7 @@ class Grader:
         ev = EvaluateRequest(sandbox=req.sandbox_id, after_seq=audit.last_seq, node=node, job=job, findings=findings,
                              wait_s=req.alert_wait_s)
         try:
-            r = await self.client.request_as(subjects.MONITOR_EVALUATE, encoder.encode(ev), EvaluateReply, req.alert_wait_s + 60)
+            r = await self.client.request(subjects.MONITOR_EVALUATE, ev, EvaluateReply, req.alert_wait_s + 60)
         except (Timeout, Unavailable):  # no monitor, or none in time: the caller decides (require_monitor)
             own = [AlertSummary(rule=f.rule, severity=f.severity, message=f.message, paths=f.paths) for f in findings]
             return own, False, 0

@@ -14,8 +14,17 @@ from nats.aio.msg import Msg
 
 from corral_common import bus, logs, metrics
 from corral_common.contract import subjects
-from corral_common.contract.envs import EnvBuildRequest, EnvGradeRequest, EnvListRequest, EnvRef
-from corral_common.contract.messages import ok
+from corral_common.contract.envs import (
+    EnvBuildReply,
+    EnvBuildRequest,
+    EnvDeleteReply,
+    EnvGetReply,
+    EnvGradeReply,
+    EnvGradeRequest,
+    EnvListReply,
+    EnvListRequest,
+    EnvRef,
+)
 from corral_sdk.client import AsyncClient
 
 from .build import BuildConfig, Builder
@@ -75,7 +84,7 @@ class EnvBuilder:
         await self.responder.drain(timeout=60)
         await self.nc.drain()
 
-    async def _on_build(self, msg: Msg) -> bytes:
+    async def _on_build(self, msg: Msg) -> EnvBuildReply:
         req = bus.decode(msg.data, EnvBuildRequest)
         build_id = req.build_id or f"b-{secrets.token_hex(6)}"
         progress = Progress(self.nc, build_id, req.spec.name)
@@ -95,36 +104,36 @@ class EnvBuilder:
             logs.kv(log, logging.INFO, "build finished", build=build_id, env=req.spec.name, outcome=outcome,
                     version=res.env.version if res.env else "", failed=[c.name for c in res.report.failed()],
                     seconds=round(time.perf_counter() - t0, 2))
-            return ok(build=res)
+            return EnvBuildReply(build=res)
         finally:
             self.limits.release(req.job)
             BUILDS.labels(outcome).inc()
             BUILD_SECONDS.observe(time.perf_counter() - t0)
 
-    async def _on_list(self, msg: Msg) -> bytes:
+    async def _on_list(self, msg: Msg) -> EnvListReply:
         req = bus.decode(msg.data, EnvListRequest)
-        return ok(envs=await self.catalog.list(req.prefix))
+        return EnvListReply(envs=await self.catalog.list(req.prefix))
 
-    async def _on_get(self, msg: Msg) -> bytes:
+    async def _on_get(self, msg: Msg) -> EnvGetReply:
         req = bus.decode(msg.data, EnvRef)
         env = await self.catalog.get(req.name, req.version)
         versions = [e.record.version for e in await self.catalog.versions(req.name)]
-        return ok(env=env.record, versions=versions)
+        return EnvGetReply(env=env.record, versions=versions)
 
-    async def _on_delete(self, msg: Msg) -> bytes:
+    async def _on_delete(self, msg: Msg) -> EnvDeleteReply:
         req = bus.decode(msg.data, EnvRef)
         env = await self.catalog.delete(req.name, req.version)
         await self.builder._delete_image(env.record.image)
-        return ok(name=env.record.name, version=env.record.version)
+        return EnvDeleteReply(name=env.record.name, version=env.record.version)
 
-    async def _on_grade(self, msg: Msg) -> bytes:
+    async def _on_grade(self, msg: Msg) -> EnvGradeReply:
         req = bus.decode(msg.data, EnvGradeRequest)
         t0 = time.perf_counter()
         outcome = "error"
         try:
             res = await self.grader.grade(req)
             outcome = "flagged" if res.alerts and res.reward == 0 and res.passed else ("pass" if res.reward > 0 else "fail")
-            return ok(grade=res)
+            return EnvGradeReply(grade=res)
         finally:
             GRADES.labels(outcome).inc()
             GRADE_SECONDS.observe(time.perf_counter() - t0)

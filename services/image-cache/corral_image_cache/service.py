@@ -16,21 +16,19 @@ from nats.aio.msg import Msg
 from corral_common import bus, logs, metrics
 from corral_common.contract import subjects
 from corral_common.contract.errors import InvalidRequest, NotFound
-from corral_common.contract.messages import Empty, ok
-from corral_common.layers import (
-    Catalog,
-    ChunkBackend,
+from corral_common.contract.images import (
+    ImageDeleteReply,
+    ImageListReply,
     ImageManifest,
+    ImportReply,
     ImportRequest,
+    InspectReply,
     LayerManifest,
     LayerSummary,
     NameRequest,
-    backend_from_url,
-    build_layer,
-    check_chunk_size,
-    check_image_name,
-    chunk_layer_file,
 )
+from corral_common.contract.messages import Empty
+from corral_common.layers import Catalog, ChunkBackend, backend_from_url, build_layer, check_chunk_size, check_image_name, chunk_layer_file
 
 from . import builtin, importers
 
@@ -119,14 +117,14 @@ class ImageCache:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _on_import(self, msg: Msg) -> bytes:
+    async def _on_import(self, msg: Msg) -> ImportReply:
         req = bus.decode(msg.data, ImportRequest)
         check_image_name(req.name)
         check_chunk_size(req.chunk_size)
         async with self.lock:
             image, new_layers, uploaded = await self.import_image(req)
         IMAGES.set(len(await self.catalog.image_names()))
-        return ok(image=image, layers=[self._summary(m) for m in new_layers], uploaded_bytes=uploaded)
+        return ImportReply(image=image, layers=[self._summary(m) for m in new_layers], uploaded_bytes=uploaded)
 
     async def import_image(self, req: ImportRequest) -> tuple[ImageManifest, list[LayerManifest], int]:
         base_layers: list[str] = []
@@ -196,25 +194,25 @@ class ImageCache:
         finally:
             await asyncio.to_thread(shutil.rmtree, d, True)
 
-    async def _on_list(self, msg: Msg) -> bytes:
+    async def _on_list(self, msg: Msg) -> ImageListReply:
         bus.decode(msg.data, Empty)
         images = [await self.catalog.image(n) for n in await self.catalog.image_names()]
-        return ok(images=images)
+        return ImageListReply(images=images)
 
-    async def _on_inspect(self, msg: Msg) -> bytes:
+    async def _on_inspect(self, msg: Msg) -> InspectReply:
         req = bus.decode(msg.data, NameRequest)
         image = await self.catalog.image(req.name)
         layers = [self._summary(await self.catalog.layer(d)) for d in image.layers]
         trace = await self.catalog.trace(req.name)
-        return ok(image=image, layers=layers, trace_chunks=len(trace.reads) if trace else 0)
+        return InspectReply(image=image, layers=layers, trace_chunks=len(trace.reads) if trace else 0)
 
-    async def _on_delete(self, msg: Msg) -> bytes:
+    async def _on_delete(self, msg: Msg) -> ImageDeleteReply:
         req = bus.decode(msg.data, NameRequest)
         async with self.lock:
             await self.catalog.delete_image(req.name)
             freed_layers, freed_chunks = await self._gc()
         IMAGES.set(len(await self.catalog.image_names()))
-        return ok(name=req.name, freed_layers=freed_layers, freed_chunks=freed_chunks)
+        return ImageDeleteReply(name=req.name, freed_layers=freed_layers, freed_chunks=freed_chunks)
 
     async def _gc_loop(self, stop: asyncio.Event) -> None:
         """Frees what deletes left for later (young snapshot layers)."""

@@ -23,13 +23,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import msgspec
 from nats.aio.msg import Msg
 
 from corral_common import bus, metrics
 from corral_common.contract.audit import AlertSummary, EvaluateReply, EvaluateRequest
 from corral_common.contract.errors import Unavailable
-from corral_common.contract.messages import ok
 
 from .alerts import AlertManager, finding_alert
 from .detect import Detector
@@ -57,13 +55,6 @@ LOST_SQL = """
 """
 
 
-def reply(r: EvaluateReply) -> bytes:
-    """`{"ok": true, ...EvaluateReply}` like every contract reply (an error is `{"ok": false,
-    "error"}`: a caller decoding EvaluateReply must check `ok` first, or an error would read as
-    "complete, no alerts"); every field spelled out, defaults too."""
-    return ok(alerts=msgspec.to_builtins(r.alerts), complete=r.complete, stored_seq=r.stored_seq, lost=r.lost)
-
-
 class Evaluator:
     def __init__(self, store: Store, detector: Detector, alerts: AlertManager, watermark: Watermark,
                  ack_floor: Callable[[], Awaitable[int]], ready: asyncio.Event):
@@ -77,7 +68,7 @@ class Evaluator:
         # two identical requests at once do not both find them new
         self.locks: dict[str, asyncio.Lock] = {}
 
-    async def handle(self, msg: Msg) -> bytes:
+    async def handle(self, msg: Msg) -> EvaluateReply:
         req = bus.decode(msg.data, EvaluateRequest)
         if not self.ready.is_set():
             raise Unavailable("the monitor is starting; retry")
@@ -87,7 +78,7 @@ class Evaluator:
         await self.record(req)
         alerts, lost = await asyncio.to_thread(self._answer, req.sandbox)
         EVALUATE_SECONDS.labels("true" if complete else "false").observe(time.perf_counter() - t0)
-        return reply(EvaluateReply(alerts=alerts, complete=complete, stored_seq=stored, lost=lost))
+        return EvaluateReply(alerts=alerts, complete=complete, stored_seq=stored, lost=lost)
 
     async def wait_stored(self, seq: int, wait_s: float) -> tuple[bool, int]:
         """Wait until every audit message through stream sequence `seq` is stored (at most

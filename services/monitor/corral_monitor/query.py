@@ -12,25 +12,17 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Annotated
 
-from msgspec import Meta
 from nats.aio.msg import Msg
 
 from corral_common import bus
+from corral_common.contract.audit import QueryReply, QueryRequest
 from corral_common.contract.errors import InvalidRequest, Timeout, Unavailable
-from corral_common.contract.messages import Request, ok
 
 from .store import Store
 
 _FORBIDDEN = re.compile(r"\b(INTO\s+OUTFILE|INSERT|ALTER|DROP|TRUNCATE|CREATE|ATTACH|DETACH|RENAME|OPTIMIZE|GRANT|REVOKE|KILL"
                         r"|SYSTEM(?!\s*\.)|SET|USE|DELETE|UPDATE|EXCHANGE|UNDROP|BACKUP|RESTORE)\b", re.I)
-
-
-class QueryRequest(Request, kw_only=True):
-    sql: Annotated[str, Meta(min_length=1, max_length=100_000)]
-    max_rows: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000
-    timeout_s: Annotated[float, Meta(gt=0, le=60)] = 10.0
 
 
 def strip_sql(sql: str) -> str:
@@ -97,7 +89,7 @@ class QueryService:
         self.store = store
         self.ready = ready
 
-    async def handle(self, msg: Msg) -> bytes:
+    async def handle(self, msg: Msg) -> QueryReply:
         req = bus.decode(msg.data, QueryRequest)
         stmt = validate(req.sql)
         if not self.ready.is_set():
@@ -111,8 +103,8 @@ class QueryService:
                 raise Timeout(f"query ran longer than {req.timeout_s:g}s") from None
             # syntax errors, unknown tables/columns, readonly refusals: the caller's to fix
             raise InvalidRequest(f"query failed: {_short(text)}") from None
-        return ok(columns=res.columns, types=res.types, rows=res.rows, truncated=res.truncated,
-                  elapsed_ms=round((time.perf_counter() - t0) * 1000, 3))
+        return QueryReply(columns=res.columns, types=res.types, rows=res.rows, truncated=res.truncated,
+                          elapsed_ms=round((time.perf_counter() - t0) * 1000, 3))
 
 
 def _short(text: str) -> str:

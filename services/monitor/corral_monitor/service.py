@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 
 from corral_common import bus, logs, metrics
 from corral_common.contract import subjects
-from corral_common.contract.messages import ok
+from corral_common.contract.audit import RulesReply
 
 from . import rules as rulereg
 from .alerts import AlertManager
@@ -129,8 +129,8 @@ class Monitor:
         metrics.UP.labels("monitor").set(0)
         logs.kv(log, logging.INFO, "monitor stopped")
 
-    async def _on_rules(self, msg: Msg) -> bytes:
-        return ok(rules=rulereg.describe())
+    async def _on_rules(self, msg: Msg) -> RulesReply:
+        return RulesReply(rules=rulereg.describe())
 
 
 def min_ack_wait(commit_s: float) -> float:

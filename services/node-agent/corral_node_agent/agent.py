@@ -24,6 +24,7 @@ from corral_common import bus, logs, metrics
 from corral_common.contract import subjects
 from corral_common.contract.audit import AuditEvent, event_id
 from corral_common.contract.errors import Capacity, Conflict, CorralError, Forbidden, InvalidRequest, NotFound, Unavailable
+from corral_common.contract.images import ImageManifest
 from corral_common.contract.messages import (
     AuditState,
     ChangesRequest,
@@ -53,7 +54,7 @@ from corral_common.contract.messages import (
     new_id,
     ok,
 )
-from corral_common.layers import Catalog, ImageManifest, ObjectStoreBackend, build_layer, check_image_name
+from corral_common.layers import Catalog, ObjectStoreBackend, build_layer, check_image_name
 
 from . import confine
 from .audit_fanotify import FileAudit

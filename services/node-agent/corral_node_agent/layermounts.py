@@ -17,17 +17,13 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from corral_common import linux
 from corral_common.contract import subjects
-from corral_common.contract.errors import Unavailable, from_code
-from corral_common.contract.messages import encoder
+from corral_common.contract.envelope import R, decode_reply
+from corral_common.contract.errors import Unavailable
+from corral_common.contract.images import LoaderPrepare, LoaderRelease, LoaderStats, PrepareReply, ReleaseReply
+from corral_common.contract.messages import Empty, encoder
 from corral_common.layers import Catalog
 
 log = logging.getLogger("corral.node.layers")
-
-
-class _Reply(msgspec.Struct):
-    ok: bool
-    paths: dict[str, str] = {}
-    error: dict | None = None
 
 
 class LayerMounts:
@@ -44,7 +40,7 @@ class LayerMounts:
     def _dir(self, digest: str) -> str:
         return os.path.join(self.root, digest[len("sha256-"):][:24])
 
-    async def _loader(self, op: str, body: dict, timeout: float | None = None) -> _Reply:
+    async def _loader(self, op: str, body: msgspec.Struct, typ: type[R], timeout: float | None = None) -> R:
         subject = subjects.node_loader(self.node, op)
         try:
             msg = await self.nc.request(subject, encoder.encode(body), timeout=timeout or self.loader_timeout_s)
@@ -52,17 +48,15 @@ class LayerMounts:
             raise Unavailable(f"the image loader of node {self.node} is not running") from None
         except NatsTimeout:
             raise Unavailable(f"the image loader of node {self.node} did not answer {op}") from None
-        r = msgspec.json.decode(msg.data, type=_Reply)
-        if not r.ok:
-            e = r.error or {}
-            raise from_code(e.get("code", "internal"), e.get("message", f"loader {op} failed"))
-        return r
+        return decode_reply(msg.data, typ)
 
     async def ping(self) -> bool:
+        """Whether the loader answers; a loader that answers something unreadable is an error
+        (raised with what did not match), not a loader that is not there yet."""
         try:
-            await self._loader("stats", {}, timeout=2)
+            await self._loader("stats", Empty(), LoaderStats, timeout=2)
             return True
-        except Exception:
+        except Unavailable:
             return False
 
     async def acquire(self, image: str) -> tuple[list[str], list[str]]:
@@ -70,7 +64,7 @@ class LayerMounts:
         manifest = await self.catalog.image(image)
         layers = list(manifest.layers)
         async with self.lock:
-            r = await self._loader("prepare", {"image": image, "layers": layers})
+            r = await self._loader("prepare", LoaderPrepare(image=image, layers=layers), PrepareReply)
             mounted: list[str] = []
             try:
                 for d in layers:
@@ -118,7 +112,7 @@ class LayerMounts:
         if not layers:
             return
         try:
-            await self._loader("release", {"layers": layers}, timeout=5)
+            await self._loader("release", LoaderRelease(layers=layers), ReleaseReply, timeout=5)
         except Exception as e:
             log.warning("loader release failed", extra={"fields": {"error": str(e)}})
 
@@ -131,7 +125,7 @@ class LayerMounts:
                     self.refs[d] = self.refs.get(d, 0) + 1
             for layers in in_use:
                 try:
-                    await self._loader("prepare", {"image": "", "layers": layers})
+                    await self._loader("prepare", LoaderPrepare(image="", layers=layers), PrepareReply)
                 except Exception as e:
                     log.warning("loader prepare for adopted layers failed", extra={"fields": {"error": str(e)}})
             keep = {self._dir(d) for d in self.refs}

@@ -8,18 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 from corral_common.contract.errors import Capacity
-from corral_common.contract.messages import SandboxInfo, SandboxSpec
+from corral_common.contract.messages import JobQuota, SandboxInfo, SandboxSpec
 
 KV_QUOTAS = "corral_quotas"
-
-
-class JobQuota(msgspec.Struct, kw_only=True):
-    sandboxes: int | None = None
-    cpu: float | None = None
-    memory_mb: int | None = None
 
 
 @dataclass

@@ -21,11 +21,14 @@ from corral_common.contract.messages import (
     CreateBatchRequest,
     ErrorBody,
     Heartbeat,
+    JobQuota,
     ListRequest,
     NodeCreate,
     NodeCreateBatch,
     NodeItemResult,
     NodeRun,
+    QuotaGetRequest,
+    QuotaSetRequest,
     RunRequest,
     SandboxInfo,
     SandboxSpec,
@@ -33,9 +36,10 @@ from corral_common.contract.messages import (
     new_id,
     ok,
 )
+from corral_common.contract.replies import QuotaGetReply, QuotaReply, QuotaUsage
 
 from . import batch, placement
-from .quotas import KV_QUOTAS, JobQuota, JobTotals, Usage, check_fair_share, check_quota
+from .quotas import KV_QUOTAS, JobTotals, Usage, check_fair_share, check_quota
 from .registry import NodeState, Policy, Registry, Reservation
 from .runs import BeforeRun, RunOnce
 
@@ -50,15 +54,6 @@ QUOTA_SET = subjects.QUOTA_SET
 QUOTA_GET = subjects.QUOTA_GET
 
 
-class QuotaSetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    job: str  # "_default" applies to jobs without their own quota
-    sandboxes: int | None = None
-    cpu: float | None = None
-    memory_mb: int | None = None
-
-
-class QuotaGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    job: str
 ONE_SHOT_SUBSTRATES = {"function"}
 RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
 LOST_MEMORY_S = 600.0  # how long a lost node's sandboxes are remembered (for orphan answers)
@@ -255,7 +250,7 @@ class Scheduler:
     def _quota(self, job: str) -> JobQuota | None:
         return self.quotas.get(job) or self.quotas.get("_default")
 
-    async def _on_quota_set(self, msg: Msg) -> bytes:
+    async def _on_quota_set(self, msg: Msg) -> QuotaReply:
         r = bus.decode(msg.data, QuotaSetRequest)
         key = r.job or "_default"
         if not key.replace("_", "").replace("-", "").replace(".", "").isalnum():
@@ -266,9 +261,9 @@ class Scheduler:
         q = JobQuota(sandboxes=r.sandboxes, cpu=r.cpu, memory_mb=r.memory_mb)
         await self.kv_quotas.put(key, msgspec.json.encode(q))
         self.quotas[key] = q
-        return ok(job=key, quota=q)
+        return QuotaReply(job=key, quota=q)
 
-    async def _on_quota_get(self, msg: Msg) -> bytes:
+    async def _on_quota_get(self, msg: Msg) -> QuotaGetReply:
         r = bus.decode(msg.data, QuotaGetRequest)
         q = self._quota(r.job)
         used = self.totals.of(r.job, self.pending)
@@ -277,7 +272,7 @@ class Scheduler:
             raise NotFound(f"job {r.job!r} is unknown: it holds no sandboxes and has no quota of its own"
                            + (f" (the _default quota applies to it: {msgspec.json.encode(default).decode()})" if default
                               else "; no _default quota is set either") + f"; set one with {QUOTA_SET}")
-        return ok(job=r.job, quota=q, used={"sandboxes": used.sandboxes, "cpu": used.cpu, "memory_mb": used.memory_mb})
+        return QuotaGetReply(job=r.job, quota=q, used=QuotaUsage(sandboxes=used.sandboxes, cpu=used.cpu, memory_mb=used.memory_mb))
 
     def _admit(self, spec: SandboxSpec, count: int) -> None:
         """Quota and fair-share checks, then count the request as pending for its job."""

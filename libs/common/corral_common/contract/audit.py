@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from .envelope import Reply
 from .messages import Request
 
 # loss: events of this sandbox that never reached the stream (detail: reason, count); the record is incomplete
@@ -97,8 +98,36 @@ class EvaluateRequest(Request, kw_only=True):
     wait_s: Annotated[float, Meta(ge=0, le=120)] = 10.0
 
 
-class EvaluateReply(Struct, kw_only=True, omit_defaults=True):
+class EvaluateReply(Reply, kw_only=True):
     alerts: list[AlertSummary] = []
     complete: bool = True  # the events through after_seq were stored before the rules ran (False: wait_s ran out)
     stored_seq: int = 0  # how far (stream sequence) the monitor has stored contiguously
     lost: int = 0  # `loss` events recorded for this sandbox: audit that never arrived
+
+
+# ----- corral.v1.monitor.* -----
+
+
+class QueryRequest(Request, kw_only=True):
+    sql: Annotated[str, Meta(min_length=1, max_length=100_000)]
+    max_rows: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000
+    timeout_s: Annotated[float, Meta(gt=0, le=60)] = 10.0
+
+
+class QueryReply(Reply, kw_only=True):
+    columns: list[str] = []
+    types: list[str] = []  # ClickHouse type names, one per column
+    rows: list[list[Any]] = []
+    truncated: bool = False  # more rows than max_rows: the rest were left out
+    elapsed_ms: float = 0.0
+
+
+class RuleInfo(Struct, kw_only=True):
+    name: str
+    severity: str
+    kind: Literal["stream", "window"]  # per event as it arrives, or a SQL query over a window
+    description: str
+
+
+class RulesReply(Reply, kw_only=True):
+    rules: list[RuleInfo] = []

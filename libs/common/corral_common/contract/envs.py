@@ -15,6 +15,7 @@ from msgspec import Meta, Struct
 
 from . import labels
 from .audit import AlertSummary
+from .envelope import Reply
 from .errors import InvalidRequest
 from .messages import LabelMap, Request
 
@@ -293,3 +294,28 @@ class EnvGradeResult(Struct, kw_only=True, omit_defaults=True):
 ENV_LABEL = labels.ENV  # the label keys live in labels.py; these names stay importable from here
 ENV_VERSION_LABEL = labels.ENV_VERSION
 SEVERITY_RANK = {"low": 1, "medium": 2, "high": 3, "critical": 4, "none": 99}
+
+
+# ----- replies of corral.v1.env.* -----
+
+
+class EnvBuildReply(Reply, kw_only=True):
+    build: EnvBuildResult
+
+
+class EnvListReply(Reply, kw_only=True):
+    envs: list[EnvRecord] = []
+
+
+class EnvGetReply(Reply, kw_only=True):
+    env: EnvRecord
+    versions: list[str] = []  # every accepted version of the env's name
+
+
+class EnvDeleteReply(Reply, kw_only=True):
+    name: str
+    version: str
+
+
+class EnvGradeReply(Reply, kw_only=True):
+    grade: EnvGradeResult

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .envelope import ErrorBody, Reply
+
 SUBSTRATES = ("container", "function", "docker", "microvm", "vm")
 Substrate = Literal["container", "function", "docker", "microvm", "vm"]
 SandboxState = Literal["creating", "running", "paused", "exited", "destroyed", "failed"]
@@ -270,7 +272,7 @@ class Change(Struct, kw_only=True, omit_defaults=True):
     target: str = ""  # a symlink's target
 
 
-class ChangesReply(Struct, kw_only=True, omit_defaults=True):
+class ChangesReply(Reply, kw_only=True):
     changes: list[Change] = []
     # gzip'd tar (paths relative to /) of the regular files and symlinks under `include`
     archive_b64: str = ""
@@ -279,7 +281,7 @@ class ChangesReply(Struct, kw_only=True, omit_defaults=True):
     too_large: list[str] = []  # included paths left out because the archive would pass max_archive_bytes
 
 
-class AuditState(Struct, kw_only=True, omit_defaults=True):
+class AuditState(Reply, kw_only=True):
     """`corral.v1.sandbox.<id>.audit`: the node drains its audit sources for the sandbox (fanotify
     queue, seccomp listener, buffered events), publishes what it holds, then answers."""
 
@@ -289,10 +291,26 @@ class AuditState(Struct, kw_only=True, omit_defaults=True):
     reasons: list[str] = []  # why events were lost, or why the record has a gap (a node-agent restart)
 
 
-class ErrorBody(Struct, kw_only=True, omit_defaults=True):
-    code: str
-    message: str
-    retry_after_s: float | None = None
+# ----- per-job quotas (corral.v1.quota.*, answered by the scheduler) -----
+
+JobName = Annotated[str, Meta(max_length=128)]
+
+
+class QuotaSetRequest(Request, kw_only=True):
+    job: JobName  # "_default" (or empty) applies to jobs without their own quota
+    sandboxes: Annotated[int, Meta(ge=0)] | None = None  # None: no limit
+    cpu: Annotated[float, Meta(ge=0)] | None = None
+    memory_mb: Annotated[int, Meta(ge=0)] | None = None
+
+
+class QuotaGetRequest(Request, kw_only=True):
+    job: JobName
+
+
+class JobQuota(Struct, kw_only=True):
+    sandboxes: int | None = None
+    cpu: float | None = None
+    memory_mb: int | None = None
 
 
 # ----- node-internal messages (scheduler <-> node-agent) -----

@@ -29,7 +29,7 @@ KV_TRAJ = "corral_traj"
 TRAJ_STREAM = "CORRAL_TRAJ"
 
 
-def traj_entry(trajectory: str, step: int) -> str:
+def traj_entry(trajectory: str, step: int | str) -> str:
     return f"corral.traj.{trajectory}.{step}"
 
 

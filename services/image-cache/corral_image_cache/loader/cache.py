@@ -19,7 +19,8 @@ import time
 import msgspec
 
 from corral_common import logs
-from corral_common.layers import DIGEST, LayerManifest, check_chunk_size
+from corral_common.contract.images import LayerManifest
+from corral_common.layers import DIGEST, check_chunk_size
 
 log = logging.getLogger("corral.loader.cache")
 

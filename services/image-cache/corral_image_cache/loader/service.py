@@ -7,7 +7,7 @@ the fetch pool and the bus handlers; libfuse's threads serve reads and wait on t
 `asyncio.run_coroutine_threadsafe(...).result(timeout)` only for chunks not cached yet.
 
 Bus (request/reply, `corral.node.<node>.loader.<op>`): prepare, release, stats, evict; see
-`corral_common.layers.LoaderPrepare` and friends."""
+`corral_common.contract.images.LoaderPrepare` and friends."""
 from __future__ import annotations
 
 import asyncio
@@ -27,19 +27,9 @@ from corral_common import bus, logs, metrics
 from corral_common.contract import subjects
 from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
 from corral_common.contract.errors import Conflict, CorralError, Internal, InvalidRequest, NotFound
+from corral_common.contract.images import LayerManifest, LoaderEvict, LoaderPrepare, LoaderRelease, Trace, TraceRead
 from corral_common.contract.messages import encoder, ok
-from corral_common.layers import (
-    DIGEST,
-    Catalog,
-    LayerManifest,
-    LoaderEvict,
-    LoaderPrepare,
-    LoaderRelease,
-    Trace,
-    TraceRead,
-    backend_from_url,
-    check_image_name,
-)
+from corral_common.layers import DIGEST, Catalog, backend_from_url, check_image_name
 
 from . import mounts
 from .cache import Layer, check_manifest, scan

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from corral_common.contract.audit import RuleInfo
+
 from .base import Rule, RuleContext, SqlRule
 
 REGISTRY: dict[str, type[Rule]] = {}
@@ -37,9 +39,9 @@ def build_sql(only: list[str] | None = None) -> list[SqlRule]:
     return [cls() for name, cls in SQL_REGISTRY.items() if not only or name in only]
 
 
-def describe() -> list[dict[str, str]]:
-    out = [{"name": c.name, "severity": c.severity, "kind": "stream", "description": c.description} for c in REGISTRY.values()]
-    out += [{"name": c.name, "severity": c.severity, "kind": "window", "description": c.description} for c in SQL_REGISTRY.values()]
+def describe() -> list[RuleInfo]:
+    out = [RuleInfo(name=c.name, severity=c.severity, kind="stream", description=c.description) for c in REGISTRY.values()]
+    out += [RuleInfo(name=c.name, severity=c.severity, kind="window", description=c.description) for c in SQL_REGISTRY.values()]
     return out
 
 

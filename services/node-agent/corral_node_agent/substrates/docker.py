@@ -557,7 +557,7 @@ class DockerSubstrate(Substrate):
         import of the archive, so the snapshot is a Docker image and a layered corral image."""
         from aiodocker.exceptions import DockerError
 
-        from corral_common.layers import ImageManifest
+        from corral_common.contract.images import ImageManifest
 
         assert isinstance(sb, DockerSandbox)
         check_image_name(name)
