@@ -175,8 +175,7 @@ class Responder:
             log.exception("handler failed", extra={"fields": {"op": op, "subject": msg.subject}})
             reply = messages.error(code, detail)
         ns = time.perf_counter_ns() - t0
-        metrics.REQUESTS.labels(self.service, op, code).inc()
-        metrics.REQUEST_SECONDS.labels(self.service, op).observe(ns / 1e9)
+        metrics.request_done(self.service, op, code, ns / 1e9)
         self.discovery.record(op, code, detail, ns)
         if reply is not None and msg.reply:
             try:
