@@ -20,12 +20,12 @@ REQUEST_SECONDS = Histogram(
 
 
 @functools.cache
-def _requests(service: str, op: str, code: str):
+def _requests(service: str, op: str, code: str) -> Counter:
     return REQUESTS.labels(service, op, code)
 
 
 @functools.cache
-def _request_seconds(service: str, op: str):
+def _request_seconds(service: str, op: str) -> Histogram:
     return REQUEST_SECONDS.labels(service, op)
 
 
