@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from . import metrics
 from .contract import envelope, subjects
 from .contract.errors import Code, CorralError
+from .discovery import Discovery
 
 log = logging.getLogger("corral.bus")
 T = TypeVar("T")
@@ -113,14 +114,25 @@ class Responder:
     """Serves request/reply subjects for one service.
 
     Each request runs in its own task (a slow exec must not hold up the next request), errors are
-    turned into contract error replies, and every outcome is counted in Prometheus.
+    turned into contract error replies, and every outcome is counted in Prometheus and in the NATS
+    service-discovery stats (`$SRV.*`, see discovery.py), which the Responder answers from its
+    first `serve` until `drain`.
     """
 
-    def __init__(self, nc: NATS, service: str):
+    def __init__(self, nc: NATS, service: str, *, package: str = "corral_common", metadata: dict[str, str] | None = None):
+        """`package` is the service's top-level package (its distribution's version is the one
+        discovery reports); `metadata` goes into every discovery reply (a node-agent's node)."""
         self.nc = nc
         self.service = service
         self.tasks: set[asyncio.Task] = set()
         self.subs: dict[str, Any] = {}
+        self.ops: dict[str, str] = {}  # subscription key -> op, for discovery
+        self.discovery = Discovery(nc, service, package=package, metadata=metadata)
+
+    def declare(self, op: str, subject: str, queue: str = "") -> None:
+        """List `op` in discovery under `subject` even while nothing serves it: for an op served
+        by one subscription per instance (a sandbox), under the wildcard that covers them all."""
+        self.discovery.declare(op, subject, queue)
 
     async def serve(self, subject: str, handler: Handler, op: str, queue: str = "", key: str | None = None) -> None:
         async def on_msg(msg: Msg) -> None:
@@ -128,9 +140,19 @@ class Responder:
             self.tasks.add(t)
             t.add_done_callback(self.tasks.discard)
 
-        self.subs[key or subject] = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        await self.discovery.start()
+        self.discovery.add(op, subject, queue)
+        self.ops[key or subject] = op
+        try:
+            self.subs[key or subject] = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        except BaseException:
+            self.discovery.remove(self.ops.pop(key or subject))
+            raise
 
     async def unserve(self, key: str) -> None:
+        op = self.ops.pop(key, None)
+        if op is not None:
+            self.discovery.remove(op)
         sub = self.subs.pop(key, None)
         if sub is not None:
             try:
@@ -139,23 +161,25 @@ class Responder:
                 pass
 
     async def _handle(self, msg: Msg, handler: Handler, op: str) -> None:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         code = "ok"
+        detail = ""  # the error message, for discovery's last_error
         try:
             answer = await handler(msg)
             reply = envelope.encode(answer) if isinstance(answer, envelope.Reply) else answer
         except CorralError as e:
-            code = e.code.value
+            code, detail = e.code.value, e.message
             reply = envelope.error(e.code.value, e.message, e.retry_after_s)
         except asyncio.CancelledError:
-            code = Code.UNAVAILABLE.value
-            reply = envelope.error(code, f"{self.service} is shutting down; retry")
+            code, detail = Code.UNAVAILABLE.value, f"{self.service} is shutting down; retry"
+            reply = envelope.error(code, detail)
         except Exception as e:  # a bug: answer, log, keep serving
-            code = Code.INTERNAL.value
+            code, detail = Code.INTERNAL.value, f"internal error in {self.service} ({type(e).__name__}: {e})"
             log.exception("handler failed", extra={"fields": {"op": op, "subject": msg.subject}})
-            reply = envelope.error(code, f"internal error in {self.service} ({type(e).__name__}: {e})")
-        metrics.REQUESTS.labels(self.service, op, code).inc()
-        metrics.REQUEST_SECONDS.labels(self.service, op).observe(time.perf_counter() - t0)
+            reply = envelope.error(code, detail)
+        ns = time.perf_counter_ns() - t0
+        metrics.request_done(self.service, op, code, ns / 1e9)
+        self.discovery.record(op, code, detail, ns)
         if reply is not None and msg.reply:
             try:
                 await self.nc.publish(msg.reply, reply)
@@ -167,6 +191,7 @@ class Responder:
             await self.unserve(key)
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout)
+        await self.discovery.stop()
 
 
 def no_responders(msg: Msg) -> bool:

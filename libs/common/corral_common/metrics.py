@@ -1,6 +1,8 @@
 """Prometheus helpers: every service serves the standard exposition format on /metrics."""
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -15,6 +17,26 @@ REQUEST_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     registry=REGISTRY,
 )
+
+
+@functools.cache
+def _requests(service: str, op: str, code: str) -> Counter:
+    return REQUESTS.labels(service, op, code)
+
+
+@functools.cache
+def _request_seconds(service: str, op: str) -> Histogram:
+    return REQUEST_SECONDS.labels(service, op)
+
+
+def request_done(service: str, op: str, code: str, seconds: float) -> None:
+    """Count one answered bus request. Each labelled child is looked up once: prometheus-client's
+    `labels()` validates and locks on every call, most of the cost of counting a request
+    (bench/responder.py)."""
+    _requests(service, op, code).inc()
+    _request_seconds(service, op).observe(seconds)
+
+
 UP = Gauge("corral_service_up", "1 while the service is serving", ["service"], registry=REGISTRY)
 
 

@@ -71,7 +71,7 @@ class EnvBuilder:
         self.client = await AsyncClient.connect(nc=self.nc)
         self.builder = Builder(self.client, self.catalog, BuildConfig(self.cfg.files_roots))
         self.grader = Grader(self.client, self.catalog)
-        self.responder = bus.Responder(self.nc, "env-builder")
+        self.responder = bus.Responder(self.nc, "env-builder", package="corral_env_builder")
         q = subjects.ENV_QUEUE
         await self.responder.serve(subjects.ENV_BUILD, self._on_build, "build", queue=q)
         await self.responder.serve(subjects.ENV_LIST, self._on_list, "list", queue=q)

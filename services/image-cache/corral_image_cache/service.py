@@ -67,7 +67,7 @@ class ImageCache:
         self.backend: ChunkBackend = backend_from_url(self.cfg.chunk_backend, self.js)
         for name in self.cfg.builtins:
             await self._ensure_builtin(name, build=(name == "busybox"))
-        self.responder = bus.Responder(self.nc, "image-cache")
+        self.responder = bus.Responder(self.nc, "image-cache", package="corral_image_cache")
         q = "corral-image-cache"
         await self.responder.serve(subjects.IMAGE_IMPORT, self._on_import, "import", queue=q)
         await self.responder.serve(subjects.IMAGE_LIST, self._on_list, "list", queue=q)

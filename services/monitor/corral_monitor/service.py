@@ -68,7 +68,7 @@ class Monitor:
         await bus.ensure_streams(self.js)
         ttl = {t: cfg.ttl_days for t in DEFAULT_TTL_DAYS} if cfg.ttl_days else None
         self.store = store = await asyncio.to_thread(wait_connect, cfg.clickhouse, cfg.database, ttl_days=ttl)
-        self.responder = bus.Responder(self.nc, "monitor")
+        self.responder = bus.Responder(self.nc, "monitor", package="corral_monitor")
         query = QueryService(store, self.ready)
         await self.responder.serve(QUERY_SUBJECT, query.handle, "query", queue=QUEUE)
         await self.responder.serve(RULES_SUBJECT, self._on_rules, "rules", queue=QUEUE)

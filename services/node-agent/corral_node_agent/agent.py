@@ -212,7 +212,7 @@ class NodeAgent:
             sub.run_watcher = self._watch_run
             await sub.start()
             self.substrates[name] = sub
-        self.responder = bus.Responder(self.nc, "node-agent")
+        self.responder = bus.Responder(self.nc, "node-agent", package="corral_node_agent", metadata={"node": self.node})
         self.audit = AuditLog(self.js, self.node)
         self.audit.enabled = self.cfg.audit
         self.audit.context = self._audit_context
@@ -223,6 +223,8 @@ class NodeAgent:
         await self.nc.subscribe(subjects.node_event(self.node, "lost"), cb=self._on_declared_lost)
         await self._reconcile()
         await clean_claims(self)  # batch claims of creates a killed predecessor never finished
+        # one subscription per sandbox (see _register), listed in discovery as one endpoint
+        self.responder.declare("sandbox", subjects.sandbox_all("*"))
         await self.responder.serve(subjects.node_create(self.node), self._on_create, "create")
         await self.responder.serve(subjects.node_create_batch(self.node), BatchCreate(self).handle, "create_batch")
         await self.responder.serve(subjects.node_ping(self.node), self._on_ping, "ping")

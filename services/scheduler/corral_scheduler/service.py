@@ -134,7 +134,7 @@ class Scheduler:
         self._spawn(self._watch_placements())
         await self.nc.subscribe(subjects.NODE_HEARTBEAT, cb=self._on_heartbeat)
         self._spawn(self._lost_node_loop())
-        self.responder = bus.Responder(self.nc, "scheduler")
+        self.responder = bus.Responder(self.nc, "scheduler", package="corral_scheduler")
         self.scatter = await bus.Scatter(self.nc).start()
         q = subjects.SCHEDULER_QUEUE
         await self.responder.serve(subjects.SANDBOX_CREATE, self._on_create, "create", queue=q)

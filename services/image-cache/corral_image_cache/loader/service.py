@@ -145,7 +145,7 @@ class Loader:
                               observe=self._observe_fetch)
         self.pool.start()
         await self._mount()
-        self.responder = bus.Responder(self.nc, "loader")
+        self.responder = bus.Responder(self.nc, "loader", package="corral_image_cache", metadata={"node": self.node})
         for op, handler in (("prepare", self._on_prepare), ("release", self._on_release), ("stats", self._on_stats),
                             ("evict", self._on_evict)):
             await self.responder.serve(subjects.node_loader(self.node, op), handler, f"loader.{op}")
