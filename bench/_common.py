@@ -1,13 +1,92 @@
 """What every benchmark here does the same way: timestamped progress lines, latency statistics in
-one JSON shape, and matplotlib without a display. (Leading underscore: run_all skips it.)"""
+one JSON shape, matplotlib without a display, and one way to write a result (the tree it measured,
+the machine and its load, and its goals in one shape) so docs/benchmarks.md can be generated from
+the results and checked against them. (Leading underscore: run_all skips it.)"""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import subprocess
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import msgspec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Each benchmark runs in its own process (run_all), so the load when this module is first imported
+# is the load before the benchmark started.
+_LOAD_BEFORE = [round(x, 2) for x in os.getloadavg()]
+
+Better = Literal["lower", "higher"]
+
+
+class Goal(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One goal of a benchmark: `met` is derived from value against target, never set by hand; a
+    goal whose value could not be measured (None) is not met."""
+
+    name: str
+    target: float
+    value: float | None
+    unit: str
+    better: Better
+    met: bool
+    what: str = ""  # what is compared (the docs' "compares" column)
+    note: str = ""  # what else this run saw that bears on the goal (the docs' "result" column)
+
+
+class Tree(msgspec.Struct, kw_only=True, omit_defaults=True):
+    commit: str
+    dirty: bool
+    describe: str
+    # True for results older than this stamp: the commit is the one the JSON recorded, or else the
+    # commit that added the result file (see scripts/benchdoc.py)
+    inferred: bool = False
+
+
+def is_met(value: float | None, target: float, better: Better) -> bool:
+    if value is None:
+        return False
+    return value <= target if better == "lower" else value >= target
+
+
+def goal(name: str, target: float, value: float | None, unit: str, better: Better, what: str = "", note: str = "") -> Goal:
+    if better not in ("lower", "higher"):
+        raise ValueError(f"goal {name}: better must be 'lower' or 'higher', got {better!r}")
+    return Goal(name=name, target=target, value=value, unit=unit, better=better, met=is_met(value, target, better),
+                what=what, note=note)
+
+
+def goals_from_ops(legacy: Mapping[str, Mapping[str, Any]], unit: str = "x", notes: Mapping[str, str] | None = None) -> list[Goal]:
+    """The `{name: {goal, op: "<="|">=", value, what}}` dicts several benchmarks keep their targets in,
+    as goals (entries without a "goal", like "info", are not goals)."""
+    out = []
+    for name, g in legacy.items():
+        if "goal" not in g or "op" not in g:
+            continue
+        out.append(goal(name, g["goal"], g.get("value"), g.get("unit", unit), "lower" if g["op"] == "<=" else "higher",
+                        what=g.get("what", ""), note=(notes or {}).get(name, "")))
+    return out
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def tree() -> Tree:
+    """The commit the benchmark ran on, and whether tracked files differed from it (untracked files,
+    such as results being written, do not make a tree dirty)."""
+    commit = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    describe = _git("describe", "--always", "--dirty", "--tags")
+    return Tree(commit=commit, dirty=dirty, describe=describe)
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    return {**extra, "nproc": os.cpu_count(), "kernel": platform.release(), "loadavg_before": _LOAD_BEFORE,
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "timezone": "UTC"}
 
 
 def log(msg: str) -> None:
@@ -43,11 +122,34 @@ def pyplot():
     return plt
 
 
-def save(out: str, name: str, res: dict[str, Any], plot: Callable[[dict[str, Any], str], None]) -> None:
-    """Stamp `res` with the machine, write `<out>/<name>.json` and `.png`, print the JSON."""
-    res["machine"] = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+def stamp(res: dict[str, Any], goals: Iterable[Goal]) -> dict[str, Any]:
+    """`res` with the tree, the machine (keeping what the benchmark recorded of it) and the goals."""
+    res["tree"] = msgspec.to_builtins(tree())
+    res["machine"] = machine(**(res.get("machine") or {}))
+    res["goals"] = [msgspec.to_builtins(g) for g in goals]
+    return res
+
+
+def save(out: str, name: str, res: dict[str, Any], plot: Callable[[dict[str, Any], str], None] | None,
+         goals: Iterable[Goal], echo: bool = True) -> str:
+    """Stamp `res` (see `stamp`), write `<out>/<name>.json` and `.png`; returns the JSON's path.
+    `goals` is required: a benchmark with no numeric goal passes an empty list and so says so."""
+    stamp(res, goals)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    plot(res, os.path.join(out, f"{name}.png"))
-    print(json.dumps(res, indent=2))
+    path = os.path.join(out, f"{name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    if plot is not None:
+        try:
+            plot(res, os.path.join(out, f"{name}.png"))
+        except Exception as e:  # noqa: BLE001 - the JSON is written; a broken plot must not lose the run
+            log(f"plot failed: {type(e).__name__}: {e}")
+    for g in res["goals"]:
+        log(f"goal {g['name']}: {g['value']} {g['unit']} ({g['better']} is better, target {g['target']}) -> "
+            f"{'MET' if g['met'] else 'MISSED'}")
+    if not res["goals"]:
+        log(f"{name}: no numeric goal")
+    if echo:
+        log(f"wrote {path}")
+    return path

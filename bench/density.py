@@ -28,11 +28,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+from bench._common import Goal, goal, save  # noqa: E402
 from corral_sdk import AsyncClient  # noqa: E402
 from corral_sdk.stack import Stack, free_port  # noqa: E402
 from tests import leaks  # noqa: E402
@@ -257,9 +258,27 @@ def plot(res: dict, path: str) -> None:
     ax2.set_ylim(bottom=0)
     ax2.legend(fontsize=8)
     fig.suptitle(f"density on one node ({os.cpu_count()} cores, {meminfo()['MemTotal'] // MiB // 1024} GiB; "
-                 f"load avg at start {res['machine']['loadavg_start']})", fontsize=10)
+                 f"load avg at start {res['machine']['loadavg_before']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def goals(res: dict[str, Any]) -> list[Goal]:
+    first, last = res["levels"][0], res["levels"][-1]
+    per = last["per_sandbox_mib"]["host_mem_available_drop"]
+    ratio = round(last["create"]["p50_ms"] / first["create"]["p50_ms"], 2)
+    left = sum(res["leftovers"].values())
+    left += res["inits_left"] + (res["destroy_failed_count"] or 0)
+    return [
+        goal("alive", 2000, last["alive"], "sandboxes", "higher", "sandboxes alive on one node"),
+        goal("host_mib_per_sandbox", GOAL_MIB, per, "MiB", "lower",
+             "accounted host memory per sandbox (memcg, agent and nats RSS, page tables, kernel stacks, per-cpu, unreclaimable slab)"),
+        goal("create_p50_ratio_top_vs_0", GOAL_RATIO, ratio, "x", "lower", f"create p50 at {last['alive']} alive / at {first['alive']}",
+             note=" / ".join(f"{r['create']['p50_ms']:.0f}" for r in res["levels"]) + f" ms p50 at {' / '.join(str(r['alive']) for r in res['levels'])} alive"),
+        goal("nothing_left", 0, left, "leftovers", "lower",
+             "sandbox dirs, mounts, cgroups, runc state, inits and failed destroys after destroying all",
+             note=f"all destroyed in {res['destroy_all_s']:.0f} s"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,25 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     os.makedirs(a.out, exist_ok=True)
-    machine = {"nproc": os.cpu_count(), "kernel": platform.release(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "mem_total_mib": meminfo()["MemTotal"] // MiB, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    machine = {"mem_total_mib": meminfo()["MemTotal"] // MiB}
     res = asyncio.run(run(levels, a.k))
-    res["machine"] = {**machine, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
-    first, last = res["levels"][0], res["levels"][-1]
-    per = last["per_sandbox_mib"]["host_mem_available_drop"]
-    ratio = round(last["create"]["p50_ms"] / first["create"]["p50_ms"], 2)
-    res["goals"] = {
-        "alive": {"goal": levels[-1], "value": last["alive"], "met": last["alive"] >= 2000},
-        "host_mib_per_sandbox": {"goal": GOAL_MIB, "value": per, "met": per is not None and per <= GOAL_MIB},
-        "create_p50_ratio_top_vs_0": {"goal": GOAL_RATIO, "value": ratio, "met": ratio <= GOAL_RATIO},
-        "nothing_left": {"value": res["leftovers"], "inits_left": res["inits_left"], "destroy_failed": res["destroy_failed_count"],
-                         "met": res["inits_left"] == 0 and not any(res["leftovers"].values()) and not res["destroy_failed_count"]},
-    }
-    with open(os.path.join(a.out, "density.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    plot(res, os.path.join(a.out, "density.png"))
-    print(json.dumps({"goals": res["goals"], "machine": res["machine"], "released_per_sandbox_mib": res["released_per_sandbox_mib"],
-                      "destroy_all_s": res["destroy_all_s"],
+    res["machine"] = machine
+    save(a.out, "density", res, plot, goals(res))
+    print(json.dumps({"released_per_sandbox_mib": res["released_per_sandbox_mib"], "destroy_all_s": res["destroy_all_s"],
                       "levels": [{"alive": r["alive"], "create": {k: v for k, v in r["create"].items() if k != "samples_ms"},
                                   "per_sandbox_mib": r["per_sandbox_mib"], "agent_fds": r["snapshot"]["agent_fds"],
                                   "loadavg": r["loadavg"]} for r in res["levels"]]}, indent=1))

@@ -62,7 +62,7 @@ import time
 import traceback
 from typing import Any
 
-from bench._common import log, pyplot
+from bench._common import goals_from_ops, log, pyplot, save
 from corral_common.contract import subjects
 from corral_sdk import AsyncClient
 from corral_sdk.stack import Stack, free_port
@@ -78,9 +78,9 @@ DOCKER_REPO = "corral-bench-lazy"
 GOALS = {
     "first_exec_lazy_vs_eager": {"goal": 0.1, "op": "<=",
                                  "what": "lazy time to first exec (median) / eager fetch-all + start + first exec (median)"},
-    "bytes_fetched_fraction": {"goal": 0.06, "op": "<=",
+    "bytes_fetched_fraction": {"goal": 0.06, "op": "<=", "unit": "fraction",
                                "what": "bytes fetched before the first exec result (lazy, median) / image size"},
-    "trace_demand_miss_fraction": {"goal": 0.05, "op": "<=",
+    "trace_demand_miss_fraction": {"goal": 0.05, "op": "<=", "unit": "fraction",
                                    "what": "demand misses with the trace replayed (median) / chunks the cold start needed"},
 }
 
@@ -591,7 +591,9 @@ class Bench:
                 except Exception:  # the image may never have been built
                     pass
                 docker.down()
-        res["summary"], res["goals"] = self.summarise(res)
+        res["summary"], legacy = self.summarise(res)
+        res["goal_info"] = legacy.pop("info")
+        res["goals"] = goals_from_ops(legacy)  # Goal structs until save writes them
         res["machine"]["loadavg_end"] = list(os.getloadavg())
         res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         return res
@@ -739,10 +741,10 @@ def plot(res: dict, path: str) -> None:
     a.set_title("worst case: the task reads the whole image")
 
     a = axes[3]
-    goals = [(k, g) for k, g in res.get("goals", {}).items() if k != "info" and g.get("value") is not None]
+    goals = [(g["name"], g) for g in res.get("goals", []) if g.get("value") is not None]
     for i, (k, g) in enumerate(goals):
         a.barh(i, g["value"], color="#5a5" if g["met"] else "#c55")
-        a.plot([g["goal"], g["goal"]], [i - 0.4, i + 0.4], color="k", lw=2)
+        a.plot([g["target"], g["target"]], [i - 0.4, i + 0.4], color="k", lw=2)
         a.text(g["value"], i, f" {g['value']:.3f}", va="center", fontsize=9)
     a.set_yticks(range(len(goals)), [k.replace("_", " ") for k, _ in goals], fontsize=8)
     a.set_title("goals (black tick = goal, lower is better)")
@@ -771,13 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     for var in (res.get("samples") or {}).values():
         for x in var:
             x.pop("stdout", None)
-    with open(os.path.join(a.out, "lazy_start.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    try:
-        plot(res, os.path.join(a.out, "lazy_start.png"))
-    except Exception as e:
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(json.dumps({"summary": res.get("summary"), "goals": res.get("goals"), "errors": [e["error"] for e in res["errors"]]}, indent=2))
+    save(a.out, "lazy_start", res, plot, res.pop("goals", []))
+    print(json.dumps({"summary": res.get("summary"), "errors": [e["error"] for e in res["errors"]]}, indent=2))
     return 1 if res["errors"] else 0
 
 

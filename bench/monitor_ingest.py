@@ -50,18 +50,18 @@ import time
 import urllib.request
 from typing import Any
 
-from bench._common import log, pyplot
+from bench._common import Goal, goals_from_ops, log, pyplot, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from corral_common import subjects  # noqa: E402
+from corral_common.contract import subjects  # noqa: E402
 
 GOALS = {
-    "ingest_events_per_s": {"goal": 100_000, "op": ">=", "what": "events/s stored, median run of the best --workers setting"},
-    "alert_p99_s": {"goal": 1.0, "op": "<=", "what": "publish -> alert p99 (idle and loaded, worst of the two)"},
-    "audit_exec_overhead": {"goal": 0.10, "op": "<=", "what": "exec p50 with audit on / off - 1"},
+    "ingest_events_per_s": {"goal": 100_000, "op": ">=", "unit": "events/s", "what": "events/s stored, median run of the best --workers setting"},
+    "alert_p99_s": {"goal": 1.0, "op": "<=", "unit": "s", "what": "publish -> alert p99 (idle and loaded, worst of the two)"},
+    "audit_exec_overhead": {"goal": 0.10, "op": "<=", "unit": "fraction", "what": "exec p50 with audit on / off - 1"},
 }
 
 BENIGN_CMDS = [
@@ -602,7 +602,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     nodes = 2 if {"overhead", "overhead_python"} & set(args.only) else 1
     stack = Stack(data_dir=data, nodes=nodes, nats_port=free_port(), image_dir=args.image_dir)
     res: dict[str, Any] = {"benchmark": "monitor_ingest", "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "machine": machine(), "goals": GOALS}
+                           "machine": machine()}
     log(f"starting the embedded stack in {data}")
     await stack.start(timeout=120)
     nc = await nats.connect(stack.url, max_reconnect_attempts=-1)
@@ -659,6 +659,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def goals(res: dict[str, Any]) -> list[Goal]:
+    """The goals of the sections measured (a partial run keeps the previous run's verdicts)."""
+    return goals_from_ops({k: {**GOALS[k], "value": v["value"]} for k, v in res.get("verdict", {}).items() if k in GOALS})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="monitor ingest throughput, alert latency, audit overhead")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -686,15 +691,10 @@ def main(argv: list[str] | None = None) -> int:
             prev = json.load(f)
         prev.update({k: v for k, v in res.items() if k not in ("verdict",)})
         prev.setdefault("verdict", {}).update(res.get("verdict", {}))
-        prev.setdefault("partial_updates", []).append({"sections": args.only, "at": res["started"], "machine": res["machine"]})
+        prev.setdefault("partial_updates", []).append({"sections": args.only, "at": res["started"], "machine": res["machine"],
+                                                     "previous_tree": prev.get("tree")})
         res = prev
-    with open(jpath, "w") as f:
-        json.dump(res, f, indent=2, default=str)
-    ppath = os.path.join(args.out, "monitor_ingest.png")
-    plot(res, ppath)
-    for k, v in res.get("verdict", {}).items():
-        log(f"goal {k}: {v['value']:.4g} {v['op']} {v['goal']} -> {'met' if v['met'] else 'NOT met'}")
-    log(f"wrote {jpath} and {ppath}")
+    save(args.out, "monitor_ingest", res, plot, goals(res))
     return 0
 
 

@@ -55,7 +55,7 @@ from typing import Any
 import msgspec
 import nats
 
-from bench._common import log, pyplot, save, stats
+from bench._common import Goal, goal, log, pyplot, save, stats
 from corral_common import bus, metrics
 from corral_common.contract import messages
 from corral_common.contract.errors import CorralError
@@ -331,6 +331,17 @@ def plot(res: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def goals(res: dict[str, Any]) -> list[Goal]:
+    """The issue's rule as a goal: keep the Responder unless micro_task (nats.micro doing what corral
+    needs) is materially cheaper; the value is the Responder's largest extra cost over micro_task
+    in p50 latency, CPU per request or burst throughput (p99 is noise here)."""
+    cost = res["cost_vs_responder"]["micro_task"]
+    worst = max(-x for k, x in cost.items() if k != "p99")
+    return [goal("responder_extra_cost_vs_micro_task", MATERIAL, round(worst, 3), "fraction", "lower",
+                 "Responder / micro_task (a task per request, JSON errors, Prometheus): p50, CPU per request, burst req/s",
+                 note=f"kept: {res['verdict']['kept']}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000, help="sequential requests per variant and block")
@@ -350,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(json.load(f), os.path.join(args.out, "responder.png"))
         return 0
     res = asyncio.run(run(args.n, args.blocks, args.burst, args.slow_n, args.slow_ms))
-    save(args.out, "responder", res, plot)
+    save(args.out, "responder", res, plot, goals(res))
     return 0
 
 

@@ -26,7 +26,9 @@ import traceback
 from collections import defaultdict
 from typing import Any
 
-from bench._common import log, pyplot, stats
+from bench._common import Goal, goal, log, pyplot, save, stats
+
+GRADE_GOAL_ENV = "calc-median"  # the grade latency goal is set on the demo environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
@@ -193,6 +195,19 @@ async def run(args, res: dict[str, Any]) -> None:
         shutil.rmtree(data, ignore_errors=True)
 
 
+def goals(res: dict[str, Any]) -> list[Goal]:
+    t = res["summary"]["total"]
+    demo = res["summary"]["per_env"].get(GRADE_GOAL_ENV, {}).get("grade_s", {})
+    return [
+        goal("cheats_rewarded", 0, t["cheats_rewarded"], "rollouts", "lower", "cheating rollouts with reward 1",
+             note=f"of {t['cheats']}"),
+        goal("honest_unrewarded", 0, t["honest_unrewarded"], "rollouts", "lower", "honest rollouts with reward 0",
+             note=f"of {t['honest']}; {t['false_alerts']} false alerts, {t['errors']} errors"),
+        goal("grade_p50_s", 1.5, demo.get("p50_s"), "s", "lower", f"grade latency p50 on {GRADE_GOAL_ENV}",
+             note=f"p99 {demo.get('p99_s')} s; all environments p50 {t['grade_s'].get('p50_s')} s, p99 {t['grade_s'].get('p99_s')} s"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--envs", default="", help="comma-separated: demo, authored, pypi or env names (default: all)")
@@ -219,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = round(time.perf_counter() - t0, 1)
     res["rows"].sort(key=lambda r: (r["env"], r["kind"], r["category"], r["strategy"]))
     res["summary"] = summarize(res["rows"])
-    from bench._common import save
-
-    save(args.out, args.name, res, plot)
+    save(args.out, args.name, res, plot, goals(res))
     t = res["summary"]["total"]
     log(f"{t['cheats_rewarded']}/{t['cheats']} cheats rewarded, {t['honest_unrewarded']}/{t['honest']} honest unrewarded, "
         f"{t['false_alerts']} false alerts, {t['errors']} errors; grade p50 {t['grade_s'].get('p50_s')}s p99 {t['grade_s'].get('p99_s')}s")

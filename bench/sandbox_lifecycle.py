@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import log, pyplot, stats
+from bench._common import Goal, goals_from_ops, log, pyplot, save, stats
 from tests.dockerd import start_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -675,6 +675,13 @@ async def bench_corral(image_dir: str, n: int, warmup: int, conc: int, rounds: i
 
 # ---------------------------------------------------------------------------------- goals, plot, table
 
+def goals(detail: dict[str, Any]) -> list[Goal]:
+    """compute_goals' ratios as goals, each noting the numerator and denominator it divides."""
+    notes = {k: f"{g['numerator']} / {g['denominator']}" for k, g in detail.items()
+             if k != "info" and g.get("numerator") is not None and g.get("denominator") is not None}
+    return goals_from_ops(detail, notes=notes)
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     if not num or not den:
         return None
@@ -780,7 +787,7 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     # goals
     ax = axes[2]
-    goals = [(k, v) for k, v in results["goals"].items() if k != "info"]
+    goals = [(g["name"], g) for g in results["goals"]]
     ys = np.arange(len(goals))
     for y, (k, g) in zip(ys, goals):
         v = g.get("value")
@@ -788,11 +795,11 @@ def plot(results: dict[str, Any], path: str) -> None:
             ax.text(1, y, "n/a", va="center")
             continue
         ax.barh(y, v, color="#4caf50" if g["met"] else "#e53935", height=0.5)
-        ax.plot([g["goal"], g["goal"]], [y - 0.35, y + 0.35], color="black", lw=2)
-        ax.text(v, y + 0.3, f" {v:.3g} (goal {g['op']} {g['goal']:g})", va="center", fontsize=8)
+        ax.plot([g["target"], g["target"]], [y - 0.35, y + 0.35], color="black", lw=2)
+        ax.text(v, y + 0.3, f" {v:.3g} (goal {'<=' if g['better'] == 'lower' else '>='} {g['target']:g})", va="center", fontsize=8)
     ax.set_yticks(ys, [k.replace("_vs_", "\nvs ") for k, _ in goals], fontsize=8)
     ax.set_xscale("log")
-    xs_all = [g["goal"] for _, g in goals] + [g["value"] for _, g in goals if g.get("value")]
+    xs_all = [g["target"] for _, g in goals] + [g["value"] for _, g in goals if g.get("value")]
     ax.set_xlim(min(xs_all) / 3, max(xs_all) * 30)
     ax.set_title("goal ratios (black tick = goal)")
     ax.grid(axis="x", which="both", alpha=0.3)
@@ -831,12 +838,11 @@ def summary(results: dict[str, Any]) -> str:
                      ("docker run -d", (sysd.get("docker", {}).get("throughput") or {}).get("per_s"))]:
         lines.append(f"  {label:<26} {'n/a' if v is None else f'{v:.1f}'}")
     lines.append("goals")
-    for k, g in results["goals"].items():
-        if k == "info":
-            continue
+    for g in results["goals"]:
         v = g.get("value")
         verdict = "n/a" if v is None else ("MET" if g["met"] else "MISSED")
-        lines.append(f"  {g['what']:<72} {'n/a' if v is None else f'{v:.3f}':>8}  goal {g['op']} {g['goal']:g}  {verdict}")
+        op = "<=" if g["better"] == "lower" else ">="
+        lines.append(f"  {g['what']:<72} {'n/a' if v is None else f'{v:.3f}':>8}  goal {op} {g['target']:g}  {verdict}")
     for sname, s in sysd.items():
         if s.get("error"):
             lines.append(f"  ERROR {sname}: {s['error']}")
@@ -948,18 +954,10 @@ def main(argv: list[str] | None = None) -> int:
             systems.setdefault("docker", {})["cleanup_notes"] = notes
 
     results["machine"]["loadavg_end"] = loadavg()
-    results["goals"] = compute_goals(systems)
+    results["goal_detail"] = compute_goals(systems)
     results["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    jpath = os.path.join(args.out, "sandbox_lifecycle.json")
-    with open(jpath + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(jpath + ".tmp", jpath)
+    jpath = save(args.out, "sandbox_lifecycle", results, plot, goals(results["goal_detail"]))
     ppath = os.path.join(args.out, "sandbox_lifecycle.png")
-    try:
-        plot(results, ppath)
-    except Exception as e:  # noqa: BLE001
-        log(f"plot failed: {e}")
-        traceback.print_exc()
     print()
     print(summary(results))
     print(f"\nwrote {jpath} and {ppath} in {results['elapsed_s']} s")

@@ -46,7 +46,7 @@ import traceback
 import uuid
 from typing import Any
 
-from bench._common import log, pyplot, stats
+from bench._common import Goal, goals_from_ops, log, pyplot, save, stats
 from tests.dockerd import docker_ok, start_dockerd, stop_dockerd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -421,6 +421,11 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
 # ---------------------------------------------------------------------------------- report
 
 
+def goal_list(detail: dict[str, Any]) -> list[Goal]:
+    notes = {k: f"{g['numerator']} / {g['denominator']} ms" for k, g in detail.items() if k != "info" and g.get("numerator")}
+    return goals_from_ops(detail, notes=notes)
+
+
 def goals(systems: dict[str, Any]) -> dict[str, Any]:
     def get(*path):
         d: Any = systems
@@ -486,7 +491,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax1.set_xticklabels([b[0] for b in bars], fontsize=8)
     ax1.set_yscale("log")
     ax1.set_ylabel("ms per call (median; whisker: p99), log scale")
-    g = results["goals"]["function_call_p50_vs_runc_run"]
+    g = next(g for g in results["goals"] if g["name"] == "function_call_p50_vs_runc_run")
     ax1.set_title(f"latency: function call p50 = {g['value']}x bare runc run (goal <= {GOAL}x, "
                   f"{'met' if g['met'] else 'NOT met'})", fontsize=10)
     tp = [(name, s[name]["throughput"]["per_s"]) for name in ("function", "runc", "bwrap", "docker_run", "container", "docker")
@@ -551,14 +556,8 @@ def main(argv: list[str] | None = None) -> int:
             if dockerd.poll() is None:
                 dockerd.kill()
     results["machine"]["loadavg_end"] = loadavg()
-    results["goals"] = goals(results["systems"])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "substrates.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    try:
-        plot(results, os.path.join(args.out, "substrates.png"))
-    except Exception as e:  # noqa: BLE001
-        log(f"plot failed: {e}")
+    results["goal_detail"] = goals(results["systems"])
+    save(args.out, "substrates", results, plot, goal_list(results["goal_detail"]))
     s = results["systems"]
     for k in ("tiers_interleaved", "tiers_back_to_back", "tiers_throughput"):
         if k in s.get("function", {}):
@@ -569,7 +568,6 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{name:10s} {k:22s} p50 {st['median_ms']:8.2f} ms  p99 {st['p99_ms']:8.2f} ms")
             elif isinstance(st, dict) and "per_s" in st:
                 log(f"{name:10s} {k:22s} {st['per_s']} /s ({st['ok']} ok, {st['failed']} failed)")
-    log(f"goals: {json.dumps(results['goals'])}")
     return rc
 
 

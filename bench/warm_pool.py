@@ -24,12 +24,12 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 import urllib.request
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -38,7 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from corral_common import subjects  # noqa: E402
+from bench._common import Goal, goal, save  # noqa: E402
+from corral_common.contract import subjects  # noqa: E402
 from corral_common.contract.messages import Event, Heartbeat  # noqa: E402
 from corral_sdk import AsyncClient  # noqa: E402
 from corral_sdk.stack import Stack, free_port  # noqa: E402
@@ -165,6 +166,13 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def goals(res: dict[str, Any]) -> list[Goal]:
+    p = res["pooled"]["all"]
+    return [goal("pooled_create_p50_ms", GOAL_P50_MS, p["p50_ms"], "ms", "lower", "create->ready p50 through the bus of a pool claim",
+                 note=f"p99 {p.get('p99_ms')} ms, hit rate {res['pooled']['hit_rate']}; cold p50 {res['cold']['all']['p50_ms']} ms "
+                 f"({res['speedup_p50']}x)")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=150)
@@ -172,23 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    res: dict = {"n": a.n, "gap_s": a.gap, "machine": {"nproc": os.cpu_count(), "kernel": platform.release(),
-                                                        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                        "loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
+    res: dict = {"n": a.n, "gap_s": a.gap, "machine": {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}}
     res["pooled"] = asyncio.run(measure(True, a.n, a.gap))
     res["cold"] = asyncio.run(measure(False, a.n, a.gap))
-    res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     p50 = res["pooled"]["all"]["p50_ms"]
-    res["goal"] = {"what": "pooled create->ready p50 through the bus (ms)", "goal": GOAL_P50_MS, "value": p50, "met": p50 <= GOAL_P50_MS}
     res["speedup_p50"] = round(res["cold"]["all"]["p50_ms"] / p50, 2)
-    with open(os.path.join(a.out, "warm_pool.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    plot(res, os.path.join(a.out, "warm_pool.png"))
+    save(a.out, "warm_pool", res, plot, goals(res))
     brief = {k: {kk: vv for kk, vv in v["all"].items() if kk != "samples_ms"} for k, v in res.items() if k in ("pooled", "cold")}
     brief["node_ping"] = {k: v for k, v in res["pooled"]["node_ping"].items() if k != "samples_ms"}
     print(json.dumps({"summary": brief, "hit_rate": res["pooled"]["hit_rate"], "node_claim_mean_ms": res["pooled"]["node_claim_mean_ms"],
                       "node_create_mean_ms": {k: res[k]["node_create_mean_ms"] for k in ("pooled", "cold")},
-                      "goal": res["goal"], "machine": res["machine"]}, indent=1))
+                      "machine": res["machine"]}, indent=1))
     return 0
 
 
