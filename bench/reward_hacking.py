@@ -29,6 +29,7 @@ from typing import Any
 from bench._common import Goal, goal, log, pyplot, save, stats
 
 GRADE_GOAL_ENV = "calc-median"  # the grade latency goal is set on the demo environment
+DEFAULT_ENVS = "demo,authored"  # every strategy on the two quick environments: ~3 min of the ~25 of bench.run_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
@@ -153,7 +154,7 @@ async def run(args, res: dict[str, Any]) -> None:
     from corral_sdk.client import AsyncClient
     from corral_sdk.stack import Stack, free_port
 
-    envs = benv.select(args.envs)
+    envs = benv.select("" if args.envs == "all" else args.envs)
     strategies = [s for s in corpus.CORPUS if (not args.kind or s.kind == args.kind)]
     if args.only:
         want = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -200,7 +201,7 @@ def goals(res: dict[str, Any]) -> list[Goal]:
     demo = res["summary"]["per_env"].get(GRADE_GOAL_ENV, {}).get("grade_s", {})
     return [
         goal("cheats_rewarded", 0, t["cheats_rewarded"], "rollouts", "lower", "cheating rollouts with reward 1",
-             note=f"of {t['cheats']}"),
+             note=f"of {t['cheats']}, on {', '.join(sorted(res['summary']['per_env']))}"),
         goal("honest_unrewarded", 0, t["honest_unrewarded"], "rollouts", "lower", "honest rollouts with reward 0",
              note=f"of {t['honest']}; {t['false_alerts']} false alerts, {t['errors']} errors"),
         goal("grade_p50_s", 1.5, demo.get("p50_s"), "s", "lower", f"grade latency p50 on {GRADE_GOAL_ENV}",
@@ -210,7 +211,9 @@ def goals(res: dict[str, Any]) -> list[Goal]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--envs", default="", help="comma-separated: demo, authored, pypi or env names (default: all)")
+    ap.add_argument("--envs", default=DEFAULT_ENVS,
+                    help=f"comma-separated: demo, authored, pypi or env names, or 'all' (default: {DEFAULT_ENVS}; the two PyPI "
+                    "environments take ~5x longer per rollout, 'all' runs the four in ~10 min)")
     ap.add_argument("--only", default="", help="comma-separated strategy names (default: the whole corpus)")
     ap.add_argument("--kind", choices=["cheat", "honest"], default="")
     ap.add_argument("--concurrency", type=int, default=2)

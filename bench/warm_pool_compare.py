@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", default=BEFORE, help="git revision to compare the working tree with (default: the tree before "
                     "the node answered the client directly, which this comparison was written for)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (2: before/after then after/before, so a "
+                    "drifting load falls on both trees alike)")
+    ap.add_argument("--n", type=int, default=60, help="creates per mode and run (120 pooled samples per tree at the default)")
     ap.add_argument("--gap", type=float, default=0.3)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
@@ -147,9 +148,6 @@ def main(argv: list[str] | None = None) -> int:
                           "samples_pooled": [x for r in runs[which] for x in r["pooled"]["all"]["samples_ms"]]}
         res["pooled_p50_change_ms"] = round(res["after"]["summary"]["pooled"]["p50_ms"] - res["before"]["summary"]["pooled"]["p50_ms"], 3)
         save(a.out, "warm_pool_compare", res, plot, goals(res))
-        last = runs["after"][-1]["_dir"]
-        for name in ("warm_pool.json", "warm_pool.png"):
-            shutil.copy(os.path.join(last, name), os.path.join(a.out, name))
         print(json.dumps({k: res[k]["summary"] for k in ("before", "after")} | {"goals": res["goals"]}, indent=1))
     finally:
         shutil.rmtree(before_tree, ignore_errors=True)
