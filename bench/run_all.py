@@ -5,11 +5,13 @@
 A benchmark module is any `bench/<name>.py` (not starting with `_`, not `run_all`) that defines
 `main(argv)`; each is run as `python -m bench.<name> --out OUT [ARGS]`, where ARGS are the ones after
 `--` (given to every module, so only options they all take) followed by that module's own `--args`
-(e.g. `--args sandbox_lifecycle="--n 30"`). Exits non-zero if any module does.
+(e.g. `--args sandbox_lifecycle="--n 30"`). Exits non-zero if any module does, or leaves no
+`OUT/<name>.json` stamped by bench/_common.save (tree and goals).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pkgutil
 import shlex
@@ -65,13 +67,29 @@ def main(argv: list[str] | None = None) -> int:
     status = {}
     for name in names:
         print(f"=== bench.{name}", flush=True)
-        t0 = time.monotonic()
+        t0, started = time.monotonic(), time.time()
         rc = subprocess.call([sys.executable, "-m", f"bench.{name}", "--out", args.out, *extra, *per.get(name, [])], cwd=REPO)
-        status[name] = (rc, time.monotonic() - t0)
+        problem = f"exit {rc}" if rc else unstamped(os.path.join(args.out, f"{name}.json"), started)
+        status[name] = (problem, time.monotonic() - t0)
     print("\n=== summary")
-    for name, (rc, s) in status.items():
-        print(f"  {name:<28} {'ok' if rc == 0 else f'FAILED (exit {rc})':<18} {s:7.1f} s")
-    return 0 if all(rc == 0 for rc, _ in status.values()) else 1
+    for name, (problem, s) in status.items():
+        print(f"  {name:<28} {f'FAILED ({problem})' if problem else 'ok':<40} {s:7.1f} s")
+    return 0 if not any(p for p, _ in status.values()) else 1
+
+
+def unstamped(path: str, since: float) -> str:
+    """Why `path` is not a result this run wrote through bench/_common.save ("" if it is): the docs
+    are generated from these files, so a module that skips the stamp fails the run."""
+    try:
+        if os.path.getmtime(path) < since:
+            return f"{os.path.basename(path)} not rewritten"
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"no readable {os.path.basename(path)}: {e}"
+    if not isinstance(res.get("goals"), list) or "tree" not in res:
+        return f"{os.path.basename(path)} has no tree/goals stamp"
+    return ""
 
 
 if __name__ == "__main__":

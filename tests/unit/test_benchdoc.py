@@ -156,3 +156,15 @@ def test_an_unstamped_result_is_refused(tmp_path):
     (tmp_path / "fast.json").write_text(json.dumps({"goals": {"x": {"goal": 1}}, "machine": {"date": "d"}}))
     with pytest.raises(bd.BenchdocError, match="not a stamped result"):
         bd.render(DOC, tmp_path)
+
+
+def test_run_all_fails_a_module_that_leaves_no_stamped_result(tmp_path):
+    from bench import run_all
+
+    path = tmp_path / "x.json"
+    assert "no readable" in run_all.unstamped(str(path), 0)
+    path.write_text(json.dumps({"goals": {"a": {"goal": 1}}}))
+    assert "no tree/goals stamp" in run_all.unstamped(str(path), 0)
+    assert "not rewritten" in run_all.unstamped(str(path), path.stat().st_mtime + 10)
+    _common.save(str(tmp_path), "x", {}, None, [], echo=False)
+    assert run_all.unstamped(str(path), 0) == ""
