@@ -593,7 +593,7 @@ class Bench:
                 docker.down()
         res["summary"], legacy = self.summarise(res)
         res["goal_info"] = legacy.pop("info")
-        res["goals"] = goals_from_ops(legacy)  # Goal structs until save writes them
+        res["goals"] = goals_from_ops(legacy, notes=goal_notes(res["summary"]))  # Goal structs until save writes them
         res["machine"]["loadavg_end"] = list(os.getloadavg())
         res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         return res
@@ -676,6 +676,22 @@ class Bench:
                              round(summ["bytes_fetched_before_first_exec"]["lazy_no_readahead"] / size, 4)
                              if size and summ["bytes_fetched_before_first_exec"]["lazy_no_readahead"] is not None else None)}
         return summ, goals
+
+
+def goal_notes(summ: dict[str, Any]) -> dict[str, str]:
+    """The numbers behind each goal's ratio, for the docs' result column."""
+    fe, b, size = summ["first_exec_ms"], summ["bytes_fetched_before_first_exec"], summ.get("image_size") or 0
+
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:,.0f} ms"
+
+    notes = {"first_exec_lazy_vs_eager": f"{ms(fe.get('lazy'))} / {ms(fe.get('eager'))}; with the prefetch trace "
+                                         f"{ms(fe.get('lazy_trace'))}, Docker load + run {ms(fe.get('docker'))}"}
+    if b.get("lazy") is not None and size:
+        notes["bytes_fetched_fraction"] = f"{b['lazy'] / 1e6:,.0f} MB of {size / 1e6:,.0f} MB"
+    if summ.get("trace_demand_misses") is not None:
+        notes["trace_demand_miss_fraction"] = f"{summ['trace_demand_misses']} misses, {summ.get('cold_chunks_needed')} chunks needed cold"
+    return notes
 
 
 # ---------------------------------------------------------------------------------- plot

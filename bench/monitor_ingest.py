@@ -661,7 +661,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def goals(res: dict[str, Any]) -> list[Goal]:
     """The goals of the sections measured (a partial run keeps the previous run's verdicts)."""
-    return goals_from_ops({k: {**GOALS[k], "value": v["value"]} for k, v in res.get("verdict", {}).items() if k in GOALS})
+    notes = {}
+    if res.get("ingest"):
+        notes["ingest_events_per_s"] = "median run per --workers: " + ", ".join(
+            f"{x['workers']}: {x['events_per_s'] or 0:,.0f}/s" for x in res["ingest"])
+    if res.get("alerts"):
+        notes["alert_p99_s"] = "; ".join(f"{k} p50 {v['latency_s']['p50'] * 1000:.1f} ms, p99 {v['latency_s']['p99'] * 1000:.0f} ms"
+                                         for k, v in res["alerts"].items() if "latency_s" in v)
+    if res.get("overhead"):
+        o = res["overhead"]
+        notes["audit_exec_overhead"] = (f"{o.get('execs_per_mode')} execs per mode; paired blocks {o.get('paired_block_p50_overhead', 0):+.1%}, "
+                                        f"node side {o.get('p50_overhead_node_side', 0):+.1%}")
+    return goals_from_ops({k: {**GOALS[k], "value": v["value"]} for k, v in res.get("verdict", {}).items() if k in GOALS}, notes=notes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -677,7 +677,8 @@ async def bench_corral(image_dir: str, n: int, warmup: int, conc: int, rounds: i
 
 def goals(detail: dict[str, Any]) -> list[Goal]:
     """compute_goals' ratios as goals, each noting the numerator and denominator it divides."""
-    notes = {k: f"{g['numerator']} / {g['denominator']}" for k, g in detail.items()
+    units = {"create_throughput_vs_docker": "per s"}
+    notes = {k: f"{g['numerator']} / {g['denominator']} {units.get(k, 'ms')}" for k, g in detail.items()
              if k != "info" and g.get("numerator") is not None and g.get("denominator") is not None}
     return goals_from_ops(detail, notes=notes)
 
