@@ -46,7 +46,7 @@ def main(
     memory_mb: int = typer.Option(1024, help="memory of a run's sandbox when the request sets no memory_limit_MB"),
     disk_mb: int = typer.Option(1024, help="disk (writable layer) of each run's sandbox"),
     job: str = typer.Option("sandbox-fusion", help="job the runs' sandboxes belong to (audit, quotas, listing)"),
-    capacity_wait_s: float = typer.Option(30.0, help="how long a run waits for room before the gateway answers 429"),
+    capacity_wait_s: float = typer.Option(120.0, help="how long a run waits for room, first come first served, before the gateway answers 429"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     logs.setup("gateway", log_level)

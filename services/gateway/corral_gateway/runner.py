@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from corral_common.contract import labels, subjects
-from corral_common.contract.errors import Capacity, InvalidRequest, NotFound
+from corral_common.contract.errors import InvalidRequest, NotFound
 from corral_common.contract.messages import ExecRequest, ExecResult, RunRequest, RunSpec, SandboxSpec, encoder
 from corral_sdk.client import AsyncClient
 
+from .admission import Admission
 from .languages import WORKDIR, Program, check_path, language, program
 from .models import CommandRunResult, RunCodeRequest, RunCodeResponse
 
@@ -38,7 +39,7 @@ class RunnerConfig:
     memory_mb: int = 1024  # when a request sets no memory_limit_MB
     disk_mb: int = 1024
     job: str = "sandbox-fusion"
-    capacity_wait_s: float = 30.0  # a `capacity` answer (nothing ran) is retried this long before it becomes HTTP 429
+    capacity_wait_s: float = 120.0  # a run waits this long for room (see admission.py) before its `capacity` answer becomes HTTP 429
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -86,6 +87,7 @@ class Runner:
         self.client = client
         self.cfg = cfg
         self.labels = {labels.ADAPTER: ADAPTER, **cfg.labels}
+        self.admission = Admission(cfg.capacity_wait_s)
 
     def memory_mb(self, req: RunCodeRequest) -> int:
         m = req.memory_limit_MB
@@ -105,26 +107,13 @@ class Runner:
             return await self._run_container(req, prog, memory, fetch)
         return await self._run_function(req, prog, memory)
 
-    async def _retry_capacity(self, call):
-        """`call()`, again after the hinted pause while it answers `capacity` (nothing ran) and
-        `capacity_wait_s` has not passed."""
-        deadline = time.monotonic() + self.cfg.capacity_wait_s
-        while True:
-            try:
-                return await call()
-            except Capacity as e:
-                pause = min(max(e.retry_after_s or 0.5, 0.05), 5.0)
-                if time.monotonic() + pause > deadline:
-                    raise
-                await asyncio.sleep(pause)
-
     async def _run_function(self, req: RunCodeRequest, prog: Program, memory: int) -> Outcome:
         spec = RunSpec(image=self.cfg.image, substrate="function", cpu=self.cfg.cpu, memory_mb=memory, disk_mb=self.cfg.disk_mb,
                        workdir=WORKDIR, job=self.cfg.job, labels=self.labels)
         ex = ExecRequest(cmd=prog.argv, stdin=req.stdin or "", env=prog.env, timeout_s=req.run_timeout, max_output_bytes=MAX_OUTPUT)
         payload = encoder.encode(RunRequest(spec=spec, exec=ex))
         t0 = time.perf_counter()
-        r = await self._retry_capacity(lambda: self.client.request(subjects.SANDBOX_RUN, payload, req.run_timeout + 45, raw=True))
+        r = await self.admission.run(lambda: self.client.request(subjects.SANDBOX_RUN, payload, req.run_timeout + 45, raw=True))
         bus_s = time.perf_counter() - t0
         reply = msgspec.convert(r.raw, RunReply)
         return Outcome(self._response(reply.result, f"{reply.node}/{reply.sandbox_id}", {}), bus_s, "function")
@@ -133,7 +122,10 @@ class Runner:
         spec = SandboxSpec(image=self.cfg.image, substrate="container", cpu=self.cfg.cpu, memory_mb=memory, disk_mb=self.cfg.disk_mb,
                            workdir=WORKDIR, job=self.cfg.job, labels=self.labels, ttl_s=req.run_timeout + 300)
         t0 = time.perf_counter()
-        sb = await self._retry_capacity(lambda: self.client.create_spec(spec))
+        return await self.admission.run(lambda: self._container_run(req, prog, spec, fetch, t0))
+
+    async def _container_run(self, req: RunCodeRequest, prog: Program, spec: SandboxSpec, fetch: list[str], t0: float) -> Outcome:
+        sb = await self.client.create_spec(spec)
         try:
             result = await sb.exec(prog.argv, stdin=req.stdin or "", env=prog.env, timeout_s=req.run_timeout, max_output_bytes=MAX_OUTPUT)
             fetched: dict[str, str] = {}
