@@ -94,8 +94,8 @@ def program(lang: Language, code: str, files: dict[str, str], args: list[str]) -
     lines = ["set -e"]
     made: set[str] = set()
     for i, (path, b64) in enumerate(files.items()):
-        parent = posixpath.dirname(posixpath.join(WORKDIR, path))
-        if parent != WORKDIR and parent not in made:
+        parent = posixpath.dirname(path)  # relative to the run's directory (the exec's cwd), or absolute
+        if parent not in ("", "/") and parent not in made:
             lines.append(f"mkdir -p -- {shlex.quote(parent)}")
             made.add(parent)
         words = _chunks(f"{ENV_PREFIX}F{i}", b64, env, B64_CHUNK)
