@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import subprocess
+import sys
 import time
 
 import aiohttp
+import msgspec
+import nats
 import pytest
 import pytest_asyncio
 import requests
@@ -17,6 +21,7 @@ from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping
 
 from corral_common.contract import labels, subjects
 from corral_common.contract.audit import AuditBatch
+from corral_sdk.stack import free_port
 
 from ..conftest import ensure_builtin_images, running_stack
 
@@ -169,11 +174,6 @@ async def test_bad_requests_are_4xx(gw):
 async def test_corral_errors_keep_their_code(gw, tmp_path):
     """A gateway whose image does not exist answers not_found as 404; a run no node has room for
     answers capacity as 429 with Retry-After: the original code and message in the body."""
-    import subprocess
-    import sys
-
-    from corral_sdk.stack import free_port
-
     port = free_port()
     log = open(tmp_path / "gw2.log", "wb")
     p = subprocess.Popen([sys.executable, "-m", "corral_gateway", "--nats", gw.url, "--port", str(port), "--image", "no-such-image",
@@ -201,8 +201,6 @@ async def test_corral_errors_keep_their_code(gw, tmp_path):
 
 async def test_runs_are_audited(gw):
     """A gateway run is an audited exec like any other, labelled with the adapter it came through."""
-    import nats
-
     r = await run(gw, code="print('audited')", language="python")
     node, sid = r.executor_pod_name.split("/")
     nc = await nats.connect(gw.url)
@@ -216,7 +214,6 @@ async def test_runs_are_audited(gw):
                 m = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:  # nats' TimeoutError: nothing (more) stored
                 break
-            import msgspec
             execs += [e for e in msgspec.json.decode(m.data, type=AuditBatch).events if e.kind == "exec"]
         await sub.unsubscribe()
     finally:
