@@ -112,6 +112,8 @@ async def test_memory_limit(gw):
     r = await post(gw, {"code": code, "language": "python", "memory_limit_MB": 1024, "run_timeout": 20})
     assert r.json()["status"] == "Success", r.text
     assert r.json()["run_result"]["stdout"] == f"{300 * 1024 * 1024}\n"
+    own, bus = (float(part.split("dur=")[1]) for part in r.headers["Server-Timing"].split(", "))  # gateway;dur=X, bus;dur=Y
+    assert 0 < own < bus
 
 
 async def test_bash_and_pytest(gw):
