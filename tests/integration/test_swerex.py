@@ -4,6 +4,7 @@ uploaded from this machine, its tests, the diff, then stop. Plus the error conve
 nonzero exit with check="raise", syntax errors, missing sessions and files) with corral's codes."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 
@@ -28,7 +29,7 @@ from swerex.runtime.abstract import (
     WriteFileRequest,
 )
 
-from corral_sdk import Conflict
+from corral_sdk import Conflict, NotFound
 from corral_sdk.integrations.swerex import CorralDeployment, CorralFileNotFoundError, CorralRexError
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -160,26 +161,48 @@ async def test_execute_files_and_upload(deployment, tmp_path):
         await rt.upload(UploadRequest(source_path=str(tmp_path / "none"), target_path="/x"))
 
 
-async def test_bash_sessions_in_the_contract(deployment):
+async def test_bash_sessions_in_the_contract(client):
     """The node-agent's `shell="bash"`: a live session keeps its shell; asking another is a conflict."""
-    sb = deployment.sandbox
-    r = await sb.exec("echo ${BASH_VERSION:-none}", session="plain")
-    assert r.stdout == "none\n"
-    with pytest.raises(Conflict, match="runs sh"):
-        await sb.exec("true", session="plain", shell="bash")
-    await sb.exec("exit", session="plain")
-    r = await sb.exec("echo ${BASH_VERSION:-none}", session="plain", shell="bash")
-    assert r.stdout.startswith("5.")
+    async with await client.create(image="debian", cpu=0.25, memory_mb=128, ttl_s=300) as sb:
+        r = await sb.exec("echo ${BASH_VERSION:-none}", session="plain")
+        assert r.stdout == "none\n"
+        with pytest.raises(Conflict, match="runs sh"):
+            await sb.exec("true", session="plain", shell="bash")
+        await sb.exec("exit", session="plain")
+        r = await sb.exec("echo ${BASH_VERSION:-none}", session="plain", shell="bash")
+        assert r.stdout.startswith("5.")
 
 
-async def test_deployment_lifecycle(stack):
+def swe_agent_style(url: str) -> tuple[str, list[str]]:
+    """What SWE-agent's SWEEnv does: synchronous code, every deployment call in its own asyncio.run."""
+    d = CorralDeployment(image="debian", nats_url=url, cpu=0.5, memory_mb=256, ttl_s=300)
+    asyncio.run(d.start())
+    try:
+        rt = d.runtime
+        asyncio.run(rt.create_session(CreateBashSessionRequest(startup_source=["/root/.bashrc"])))
+        outs = [asyncio.run(rt.run_in_session(run(c))).output for c in ("cd /tmp && X=1", "pwd; echo $X")]
+        asyncio.run(rt.write_file(WriteFileRequest(path="/tmp/f", content="x")))
+        outs.append(asyncio.run(rt.read_file(ReadFileRequest(path="/tmp/f"))).content)
+        assert asyncio.run(d.is_alive())
+        return d.sandbox.id, outs
+    finally:
+        asyncio.run(d.stop())
+
+
+async def test_each_call_on_its_own_event_loop_as_swe_agent_makes_them(stack, client):
+    sid, outs = await asyncio.to_thread(swe_agent_style, stack.url)
+    assert outs == ["", "/tmp\n1\n", "x"]
+    with pytest.raises(NotFound):  # stop() destroyed it
+        await client.sandbox(sid).refresh()
+
+
+async def test_deployment_lifecycle(stack, client):
     d = CorralDeployment(image="debian", nats_url=stack.url, cpu=0.5, memory_mb=256, ttl_s=300)
     with pytest.raises(DeploymentNotStartedError):
         d.runtime
     await d.start()
-    sb = d.sandbox
     assert (await d.runtime.execute(Command(command=["true"]))).exit_code == 0
-    await sb.destroy()  # gone behind the deployment's back: not alive, with corral's reason
+    await client.sandbox(d.sandbox.id).destroy()  # gone behind the deployment's back: not alive, with corral's reason
     alive = await d.is_alive()
     assert not alive and "not_found" in alive.message
     await d.stop()

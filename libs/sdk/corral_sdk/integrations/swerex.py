@@ -30,7 +30,8 @@ import re
 import secrets
 import shlex
 import tarfile
-from typing import Any, NoReturn
+from collections.abc import Coroutine
+from typing import Any, NoReturn, TypeVar
 
 from corral_common.extras import require
 
@@ -72,6 +73,7 @@ from swerex.runtime.abstract import (  # noqa: E402
 from corral_common.contract.errors import CorralError, NotFound, Timeout  # noqa: E402
 from corral_common.contract.messages import ExecResult, SandboxSpec  # noqa: E402
 
+from .. import sync  # noqa: E402
 from ..client import AsyncClient, AsyncSandbox  # noqa: E402
 
 __all__ = ["CorralDeployment", "CorralRuntime", "CorralRexError", "CorralFileNotFoundError", "InteractiveCommandError"]
@@ -135,13 +137,31 @@ def session_script(command: str) -> str:
             f"{{ {command}\n}} 2>&1\n")
 
 
+_T = TypeVar("_T")
+
+
+async def _on(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, _T]) -> _T:
+    """Await `coro` on `loop` (None: here). SWE-agent calls every deployment and runtime method
+    through its own `asyncio.run()`, a new event loop each time, while a NATS connection belongs
+    to the loop it was made on: so the deployment keeps its connection on the SDK's background loop
+    (the one the sync client uses) and each call crosses over to it."""
+    if loop is None or loop is asyncio.get_running_loop():
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
 class CorralRuntime(AbstractRuntime):
     """SWE-ReX's runtime interface over one corral sandbox (see the module docstring)."""
 
-    def __init__(self, sandbox: AsyncSandbox, *, logger: logging.Logger | None = None):
+    def __init__(self, sandbox: AsyncSandbox, *, loop: asyncio.AbstractEventLoop | None = None, logger: logging.Logger | None = None):
+        """`loop`: the event loop `sandbox`'s connection lives on, when it is not the caller's (see _io)."""
         self.sandbox = sandbox
         self.logger = logger or logging.getLogger("corral.swerex")
+        self._loop = loop
         self._sessions: dict[str, CreateBashSessionRequest] = {}
+
+    async def _io(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return await _on(self._loop, coro)
 
     @property
     def sessions(self) -> dict[str, CreateBashSessionRequest]:
@@ -149,7 +169,7 @@ class CorralRuntime(AbstractRuntime):
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         try:
-            info = await self.sandbox.refresh(timeout=timeout or 30.0)
+            info = await self._io(self.sandbox.refresh(timeout=timeout or 30.0))
         except CorralError as e:
             return IsAliveResponse(is_alive=False, message=f"corral {e.code.value}: {e.message}")
         if info.state != "running":
@@ -158,7 +178,7 @@ class CorralRuntime(AbstractRuntime):
 
     async def _session_exec(self, name: str, script: str, timeout: float) -> ExecResult:
         try:
-            return await self.sandbox.exec(script, session=session_name(name), shell="bash", timeout_s=min(timeout, NO_TIMEOUT_S))
+            return await self._io(self.sandbox.exec(script, session=session_name(name), shell="bash", timeout_s=min(timeout, NO_TIMEOUT_S)))
         except CorralError as e:
             _raise(e, f"session {name!r}")
 
@@ -217,7 +237,7 @@ class CorralRuntime(AbstractRuntime):
             argv = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *argv]
         timeout = command.timeout if command.timeout is not None else NO_TIMEOUT_S
         try:
-            r = await self.sandbox.exec(argv, env=command.env, cwd=command.cwd, timeout_s=min(timeout, NO_TIMEOUT_S))
+            r = await self._io(self.sandbox.exec(argv, env=command.env, cwd=command.cwd, timeout_s=min(timeout, NO_TIMEOUT_S)))
         except CorralError as e:
             _raise(e, f"command {cmd!r}")
         if r.timed_out:
@@ -229,14 +249,14 @@ class CorralRuntime(AbstractRuntime):
 
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         try:
-            data = await self.sandbox.files.read(request.path)
+            data = await self._io(self.sandbox.files.read(request.path))
         except CorralError as e:
             _raise(e, f"read {request.path}", not_found=CorralFileNotFoundError)
         return ReadFileResponse(content=data.decode(request.encoding or "utf-8", request.errors or "strict"))
 
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         try:
-            await self.sandbox.files.write(request.path, request.content)  # parents are made, as LocalRuntime does
+            await self._io(self.sandbox.files.write(request.path, request.content))  # parents are made, as LocalRuntime does
         except CorralError as e:
             _raise(e, f"write {request.path}")
         return WriteFileResponse()
@@ -259,7 +279,7 @@ class CorralRuntime(AbstractRuntime):
                 data = f.read()
             mode = os.stat(src).st_mode & 0o7777
             if len(data) <= self._part_size():
-                await self.sandbox.files.write(target, data, mode)
+                await self._io(self.sandbox.files.write(target, data, mode))
                 return UploadResponse()
             parts = await self._put_parts(data)
             q, t = " ".join(shlex.quote(p) for p in parts), shlex.quote(target)
@@ -279,11 +299,11 @@ class CorralRuntime(AbstractRuntime):
         paths = []
         for i in range(0, max(len(data), 1), size):
             paths.append(f"{prefix}.{len(paths)}")
-            await self.sandbox.files.write(paths[-1], data[i:i + size], 0o600)
+            await self._io(self.sandbox.files.write(paths[-1], data[i:i + size], 0o600))
         return paths
 
     async def _run_checked(self, script: str, what: str) -> None:
-        r = await self.sandbox.exec(script, timeout_s=600)
+        r = await self._io(self.sandbox.exec(script, timeout_s=600))
         if r.exit_code != 0:
             raise CorralRexError(f"{what} failed (exit {r.exit_code}): {r.stderr.strip()[-2000:]}")
 
@@ -306,7 +326,9 @@ def _tar_dir(src: str) -> bytes:
 class CorralDeployment(AbstractDeployment):
     """SWE-ReX deployment = one corral sandbox: `start()` creates it (waiting out a full cluster
     for up to `wait_for_capacity_s`), `stop()` destroys it. `**spec` are SandboxSpec fields
-    (disk_mb, ttl_s, job, labels, workdir, env, pids_max, ...). Pass `client=` to share a connection."""
+    (disk_mb, ttl_s, job, labels, workdir, env, pids_max, ...). Its connection lives on the SDK's
+    background loop, so any event loop may call it (SWE-agent makes one per call); `client=` shares
+    a connection of the caller's instead, and then every call must come from that client's loop."""
 
     def __init__(self, *, image: str = "debian", nats_url: str | None = None, substrate: str = "container", cpu: float = 1.0,
                  memory_mb: int = 1024, client: AsyncClient | None = None, wait_for_capacity_s: float = 120.0,
@@ -316,6 +338,7 @@ class CorralDeployment(AbstractDeployment):
         self._nats_url = nats_url
         self._client = client
         self._own_client = client is None
+        self._loop: asyncio.AbstractEventLoop | None = None if client is not None else sync._Loop.get()
         self._wait_s = wait_for_capacity_s
         self._sandbox: AsyncSandbox | None = None
         self._runtime: CorralRuntime | None = None
@@ -345,12 +368,12 @@ class CorralDeployment(AbstractDeployment):
         self._hooks.on_custom_step(f"Starting a corral sandbox of {self._spec.image}")
         try:
             if self._client is None:
-                self._client = await AsyncClient.connect(self._nats_url)
-            self._sandbox = await self._client.create_spec(self._spec, wait_for_capacity_s=self._wait_s)
+                self._client = await _on(self._loop, AsyncClient.connect(self._nats_url))
+            self._sandbox = await _on(self._loop, self._client.create_spec(self._spec, wait_for_capacity_s=self._wait_s))
         except CorralError as e:
             await self._close_client()
             raise _rex(DeploymentStartupError, e, "corral sandbox") from e
-        self._runtime = CorralRuntime(self._sandbox, logger=self.logger)
+        self._runtime = CorralRuntime(self._sandbox, loop=self._loop, logger=self.logger)
         self.logger.info("corral sandbox %s started on %s", self._sandbox.id, self._sandbox.info.node)
 
     async def stop(self) -> None:
@@ -359,7 +382,7 @@ class CorralDeployment(AbstractDeployment):
         try:
             if sb is not None:
                 try:
-                    await sb.destroy()
+                    await _on(self._loop, sb.destroy())
                 except NotFound:
                     pass  # expired or destroyed already: the end state is the one asked for
         finally:
@@ -368,7 +391,7 @@ class CorralDeployment(AbstractDeployment):
     async def _close_client(self) -> None:
         if self._own_client and self._client is not None:
             c, self._client = self._client, None
-            await c.close()
+            await _on(self._loop, c.close())
 
     def __del__(self) -> None:
         # AbstractDeployment.__del__ schedules stop() on whatever loop is current; only worth it
