@@ -14,6 +14,7 @@ from swerex.exceptions import (
     BashIncorrectSyntaxError,
     CommandTimeoutError,
     DeploymentNotStartedError,
+    DeploymentStartupError,
     NonZeroExitCodeError,
     SessionDoesNotExistError,
     SessionExistsError,
@@ -209,3 +210,10 @@ async def test_deployment_lifecycle(stack, client):
     await d.stop()
     with pytest.raises(DeploymentNotStartedError):
         await d.is_alive()
+
+    bad = CorralDeployment(image="no-such-image", nats_url=stack.url, wait_for_capacity_s=0)
+    with pytest.raises(DeploymentStartupError) as ei:
+        await bad.start()
+    assert ei.value.corral_code in ("not_found", "invalid_request") and "no-such-image" in ei.value.corral_message
+    with pytest.raises(DeploymentNotStartedError):
+        bad.runtime
