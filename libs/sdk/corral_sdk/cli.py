@@ -421,6 +421,10 @@ from .cli_substrates import register as _register_substrates  # noqa: E402  (run
 
 _register_substrates(app, image_app)
 
+from .cli_integrations import register as _register_integrations  # noqa: E402  (mcp, tools)
+
+_register_integrations(app)
+
 
 def main() -> None:
     app()

@@ -40,7 +40,7 @@ from .. import cgroups, confine, initclient, masks, oci
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
 from ..output import PipeReader
-from ..sessions import Session
+from ..sessions import SHELLS, Session
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .common import StayingSandbox, adopt_exec_groups, load_record, result_stderr, save_record, session_exec, unwatch_pidfd, watch_pidfd
 
@@ -434,7 +434,7 @@ class ContainerSubstrate(Substrate):
             if not k or "=" in k or "\0" in k:
                 raise InvalidRequest(f"invalid environment variable name {k!r}")
         if req.session:
-            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session, env),
+            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session, env, req.shell),
                                       lambda name: _end_session(sb, name))
         cwd = req.cwd or sb.spec.workdir or "/"
         group = f"x{sb.epoch}-{next(sb.seq)}"
@@ -489,14 +489,14 @@ class ContainerSubstrate(Substrate):
             truncated=reader.truncated, oom_killed=oom, signal=sig,
         )
 
-    async def _start_session(self, sb: ContainerSandbox, name: str, env: dict[str, str]) -> Session:
+    async def _start_session(self, sb: ContainerSandbox, name: str, env: dict[str, str], shell: str) -> Session:
         group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
         cg_fds = sb.cg.make_exec_group(group)
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            spawned = await initclient.spawn(sb.ctl, ["/bin/sh"], env, sb.spec.workdir or "/", (in_r, out_w, err_w), cg_fds)
+            spawned = await initclient.spawn(sb.ctl, [SHELLS[shell]], env, sb.spec.workdir or "/", (in_r, out_w, err_w), cg_fds)
         except initclient.InitError as e:
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
@@ -504,7 +504,7 @@ class ContainerSubstrate(Substrate):
         finally:
             for fd in (in_r, out_w, err_w, *cg_fds):
                 os.close(fd)
-        return Session(name, group, in_w, out_r, err_r, spawned.wait())
+        return Session(name, group, in_w, out_r, err_r, spawned.wait(), shell)
 
     # ------------------------------------------------------------------ files
 

@@ -60,7 +60,7 @@ from .. import cgroups, oci
 from ..aio import wait_readable as _wait_readable
 from ..layermounts import LayerMounts
 from ..output import Capture
-from ..sessions import Session
+from ..sessions import SHELLS, Session
 from . import docker_disk
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .common import IO_MOUNT, StayingSandbox, adopt_exec_groups, load_record, result_stderr, save_record, session_exec, unwatch_pidfd, watch_pidfd
@@ -311,7 +311,7 @@ class DockerSubstrate(Substrate):
         if any("\0" in s for s in (*argv, *req.env.values(), req.cwd or "")):
             raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
         if req.session:
-            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session),
+            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session, req.shell),
                                       lambda name: self._close_session(sb, name))
         assert sb.cg is not None
         t0 = time.perf_counter()
@@ -376,10 +376,10 @@ class DockerSubstrate(Substrate):
 
     # ------------------------------------------------------------------ sessions
 
-    async def _start_session(self, sb: DockerSandbox, name: str) -> Session:
+    async def _start_session(self, sb: DockerSandbox, name: str, shell: str) -> Session:
         assert sb.cg is not None
         group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
-        ex, stream, pid = await self._start(sb, ["/bin/sh"], {}, sb.spec.workdir or "/")
+        ex, stream, pid = await self._start(sb, [SHELLS[shell]], {}, sb.spec.workdir or "/")
         if not pid:
             text = await _drain(stream, 2.0)
             await stream.close()
@@ -391,7 +391,7 @@ class DockerSubstrate(Substrate):
             raise Internal(f"cannot move the session shell of {sb.id} into its cgroup: {e}") from None
         await stream.write_in(b"\n")
         bridge = _Bridge(ex, stream, pid)
-        session = Session(name, group, bridge.stdin_w, bridge.out_r, bridge.err_r, bridge.wait())
+        session = Session(name, group, bridge.stdin_w, bridge.out_r, bridge.err_r, bridge.wait(), shell)
         sb.sessions[name] = session
         sb.session_links[name] = bridge
         return session
