@@ -105,11 +105,9 @@ class ContainerSandbox(StayingSandbox):
 
 class ContainerSubstrate(Substrate):
     name = "container"
-    #: the node-agent's seccomp-notify socket (audit_seccomp.py), set by the agent before create:
-    #: denied syscalls are then SCMP_ACT_NOTIFY and audited; None keeps them SCMP_ACT_ERRNO
-    seccomp_listener: str | None = None
-    #: that listener's notify fds by sandbox id: each sandbox's init is given its own to hold
-    seccomp_fds: dict[str, int] | None = None
+    #: denied syscalls are SCMP_ACT_NOTIFY to the agent's listener once it is set; each
+    #: sandbox's init is given its own notify fd to hold (_hand_notify_fd)
+    supports_seccomp_notify = True
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc"):
         self.node = node

@@ -54,7 +54,7 @@ from corral_common.contract import subjects
 from corral_common.contract.errors import Conflict, CorralError, Forbidden, Internal, InvalidRequest, NotFound, Unavailable
 from corral_common.contract.labels import DOCKER_JOB, DOCKER_NODE, DOCKER_SANDBOX, DOCKER_STATE, DOCKER_USER_PREFIX
 from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
-from corral_common.layers import check_image_name
+from corral_common.layers import ImageManifest, LayerManifest, check_image_name
 
 from .. import cgroups, oci
 from ..aio import wait_readable as _wait_readable
@@ -100,6 +100,7 @@ class DockerSandbox(StayingSandbox):
 class DockerSubstrate(Substrate):
     name = "docker"
     uses_catalog = False
+    snapshots_itself = True
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, url: str | None = None):
         self.node = node
@@ -552,12 +553,10 @@ class DockerSubstrate(Substrate):
             return Usage()
         return Usage(cpu_ns=sb.cg.cpu_usage_ns(), memory_bytes=sb.cg.memory_bytes(), pids=sb.cg.pids_current())
 
-    async def snapshot_image(self, sb: Sandbox, name: str, labels: dict[str, str]):
+    async def snapshot_image(self, sb: Sandbox, name: str, labels: dict[str, str]) -> tuple[ImageManifest, LayerManifest, int]:
         """`docker commit` (the container paused meanwhile), then `docker save` and an image-cache
         import of the archive, so the snapshot is a Docker image and a layered corral image."""
         from aiodocker.exceptions import DockerError
-
-        from corral_common.layers import ImageManifest
 
         assert isinstance(sb, DockerSandbox)
         check_image_name(name)
