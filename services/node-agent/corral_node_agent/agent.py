@@ -206,9 +206,9 @@ class NodeAgent:
             if cls is None:
                 raise SystemExit(f"unknown substrate {name!r}; known: {', '.join(REGISTRY)}")
             sub = cls(self.node, self.state_dir, self.layers)  # type: ignore[call-arg]
-            if hasattr(sub, "seccomp_listener") and self.seccomp is not None:
-                sub.seccomp_listener = self.seccomp.path  # type: ignore[attr-defined]
-                sub.seccomp_fds = self.seccomp.fds  # type: ignore[attr-defined]
+            if sub.supports_seccomp_notify and self.seccomp is not None:
+                sub.seccomp_listener = self.seccomp.path
+                sub.seccomp_fds = self.seccomp.fds
             sub.run_watcher = self._watch_run
             await sub.start()
             self.substrates[name] = sub
@@ -510,10 +510,10 @@ class NodeAgent:
 
     async def _watch_files(self, sb: Sandbox) -> None:
         """Mark the sandbox's protected paths and canaries (container roots only)."""
-        root = getattr(sb, "rootfs", None)
+        root = sb.rootfs
         if self.files_audit is None or root is None or not (sb.spec.protected_paths or sb.spec.canaries):
             return
-        decoys = [(m.path, m.decoy) for m in getattr(sb, "masks", [])]
+        decoys = [(m.path, m.decoy) for m in sb.masks]
         await asyncio.to_thread(self.files_audit.add, sb.id, root, list(sb.spec.protected_paths), list(sb.spec.canaries), decoys)
 
     async def _check_file_read(self, sb: Sandbox, path: str) -> None:
@@ -538,7 +538,7 @@ class NodeAgent:
     async def _reconcile(self) -> None:
         for name, sub in self.substrates.items():
             adopted, report = await sub.reconcile()
-            take = getattr(sub, "take_notify_fd", None)
+            take = sub.take_notify_fd if sub.supports_seccomp_notify else None
             self.adopted += len(adopted)
             for sb in adopted:
                 # whatever it did while no agent ran (and what our predecessor held unpublished)
@@ -722,7 +722,7 @@ class NodeAgent:
         except Exception:
             log.exception("create bookkeeping failed", extra={"fields": {"sandbox": sb.id}})
         self._check_limits(sb, sub)
-        await self._event(sb, "created", reason="claimed from the warm pool" if getattr(sb, "warm_id", "") else "")
+        await self._event(sb, "created", reason="claimed from the warm pool" if sb.warm_id else "")
         await self._event(sb, "ready")
         return None if direct else body[:-1] + b',"counted_at":' + repr(counted_at).encode() + b"}"
 
@@ -1000,7 +1000,7 @@ class NodeAgent:
         the new image can be started on any node (the chunks go to the shared chunk store)."""
         name = name or f"snap-{sb.id}-{int(time.time() * 1000)}"
         check_image_name(name)
-        if hasattr(sub, "snapshot_image"):  # substrates that make images their own way (docker: commit, save, import)
+        if sub.snapshots_itself:  # substrates that make images their own way (docker: commit, save, import)
             return await sub.snapshot_image(sb, name, labels)
         was_paused = sb.info.state == "paused"
         t0 = time.perf_counter()
@@ -1142,7 +1142,7 @@ class NodeAgent:
         one) are asked through their substrate and only count in the aggregate."""
         groups, others = {}, []
         for sid, sb in list(self.sandboxes.items()):
-            cg = getattr(sb, "cg", None)
+            cg = sb.cg
             if cg is not None:
                 groups[sid] = cg
             elif sid in self.substrate_of:
