@@ -387,6 +387,17 @@ class NodeItemResult(Struct, kw_only=True, omit_defaults=True):
     error: ErrorBody | None = None
 
 
+class NodeReconciled(Struct, kw_only=True):
+    """`corral.node.<node>.reconciled`, published by a starting node-agent for each substrate that
+    found what a predecessor left: the sandboxes it adopted and those it cleaned up."""
+
+    node: str
+    substrate: str
+    adopted: list[str] = []
+    cleaned: list[str] = []
+    notes: list[str] = []
+
+
 class NodeRun(Struct, kw_only=True):
     """scheduler -> `corral.node.<node>.run`; the node picks the sandbox id."""
 
