@@ -1,5 +1,5 @@
-"""The node-side audit sources: denied syscalls through seccomp notify (audit_seccomp.py), and
-protected paths and canary files through fanotify permission events (audit_fanotify.py).
+"""The node-side audit sources: denied syscalls through seccomp notify (audit/seccomp.py), and
+protected paths and canary files through fanotify permission events (audit/fanotify.py).
 
 Each test does the misbehaviour in a real sandbox and checks three things: what the sandbox saw
 (the call failed with EPERM, the file was unreadable or readable), the AuditEvent that arrived on

@@ -173,7 +173,7 @@ async def test_audit_state_covers_the_stream(client, nc):
 async def test_audit_log_counts_losses_per_sandbox_and_publishes_them(nc):
     """Past max_buffer the oldest events are dropped, counted against their own sandbox, and told
     as a `loss` event that the cap never drops."""
-    from corral_node_agent.auditlog import BUFFER_FULL, AuditLog
+    from corral_node_agent.audit.log import BUFFER_FULL, AuditLog
 
     js = nc.jetstream()
     a, b = f"sb-lossa-{secrets.token_hex(4)}", f"sb-lossb-{secrets.token_hex(4)}"

@@ -165,6 +165,11 @@ async def test_snapshot_then_fork(nc, sid):
     assert r["ok"] is True, r
     assert r["image"]["name"] == "contract-snap" and len(r["image"]["layers"]) == 2
     assert r["image"]["labels"] == {"k": "v", "snapshot_of": sid}
+    # registered by the image-cache (the catalog's one writer): listed, its new layer inspectable
+    listed = {i["name"]: i for i in (await call(nc, "corral.v1.image.list", {}))["images"]}
+    assert listed["contract-snap"]["layers"] == r["image"]["layers"] and listed["contract-snap"]["parent"] == "busybox"
+    top = (await call(nc, "corral.v1.image.inspect", {"name": "contract-snap"}))["layers"][-1]
+    assert top["digest"] == r["layer"] == r["image"]["layers"][-1] and top["source"] == f"snapshot:{sid}" and top["size"] == r["size"]
     # the source keeps running
     assert (await call(nc, f"corral.v1.sandbox.{sid}.exec", {"cmd": "cat /work/s.txt"}))["result"]["stdout"] == "state\n"
     b = await call(nc, "corral.v1.sandbox.create_batch", {"spec": {"image": "contract-snap", "cpu": 0.1, "memory_mb": 32}, "count": 3})

@@ -1,4 +1,4 @@
-"""General file activity of sandboxes (audit_files.py): fanotify notification events on the
+"""General file activity of sandboxes (audit/files.py): fanotify notification events on the
 sandbox's root filesystem, reported as AuditEvent(kind="file", op=...) with path and pid."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Network attempts and signals seen by the kernel (seccomp notify, audit_seccomp.py), pids-limit
+"""Network attempts and signals seen by the kernel (seccomp notify, audit/seccomp.py), pids-limit
 hits and OOM kills (the sandbox's cgroup counters), each from a real sandbox doing the thing, with
 a benign counterpart that must stay quiet."""
 from __future__ import annotations
@@ -110,7 +110,7 @@ async def test_retried_audit_batches_are_stored_once(nc):
     import msgspec
 
     from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
-    from corral_node_agent.auditlog import AuditLog
+    from corral_node_agent.audit.log import AuditLog
 
     js = nc.jetstream()
     sid = f"sb-dedupe-{secrets.token_hex(4)}"
@@ -137,7 +137,7 @@ async def test_audit_log_publishes_on_a_timer_not_per_event(nc):
     import msgspec
 
     from corral_common.contract.audit import AuditBatch, AuditEvent, event_id
-    from corral_node_agent.auditlog import AuditLog
+    from corral_node_agent.audit.log import AuditLog
 
     js = nc.jetstream()
     sid = f"sb-timer-{secrets.token_hex(4)}"

@@ -646,7 +646,7 @@ async def test_poison_message_is_isolated_and_dead_lettered(mstack, mnc):
     after `poison_after` deliveries; the messages around it are processed and acked."""
     from nats.js.api import StreamConfig
 
-    from corral_monitor.consumer import PullConsumer
+    from corral_monitor.pull import PullConsumer
 
     js = mnc.jetstream()
     await js.add_stream(StreamConfig(name="T_POISON", subjects=["t.poison.>"]))

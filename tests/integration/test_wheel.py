@@ -107,17 +107,24 @@ def test_the_wheel_ships_the_init_source(wheel: str):
     assert sorted(b.split(">")[0].split("=")[0] for b in base) == ["msgspec", "nats-py", "prometheus-client", "rich", "typer"], base
 
 
-# run by the base venv's python: everything of the SDK and the contract imports, nothing heavy comes with it
+# run by the base venv's python: everything of the SDK and the contract imports, nothing heavy comes
+# with it; an adapter of corral_sdk.integrations whose package is missing says which extra to install
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys
 import corral_common, corral_sdk
-mods = []
+from corral_sdk import Unavailable
+mods, optional = [], {}
 for pkg in (corral_common, corral_sdk):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-        importlib.import_module(m.name)
+        try:
+            importlib.import_module(m.name)
+        except Unavailable as e:
+            if not m.name.startswith("corral_sdk.integrations."):
+                raise
+            optional[m.name] = e.message
+            continue
         mods.append(m.name)
 from corral_sdk.stack import Stack
-from corral_sdk import Unavailable
 try:
     Stack(data_dir="/nonexistent", monitor=False).check_installed()
     stack_error = ""
@@ -125,7 +132,7 @@ except Unavailable as e:
     stack_error = str(e)
 heavy = sorted({n.split(".")[0] for n in sys.modules} & {"chdb", "pyarrow", "pandas", "numpy", "matplotlib", "mfusepy",
                                                          "aiodocker", "aiohttp", "clickhouse_connect"})
-print(json.dumps({"sdk": corral_sdk.__file__, "modules": mods, "heavy": heavy, "stack_error": stack_error}))
+print(json.dumps({"sdk": corral_sdk.__file__, "modules": mods, "optional": optional, "heavy": heavy, "stack_error": stack_error}))
 """
 
 
@@ -140,6 +147,9 @@ def test_the_base_install_is_the_sdk_without_the_services_packages(tmp: str, bas
     assert {"corral_sdk.cli", "corral_sdk.client", "corral_sdk.stack", "corral_sdk.demo", "corral_common.bus"} <= set(out["modules"])
     assert out["heavy"] == []
     assert "pip install 'corral[node]'" in out["stack_error"], out["stack_error"]
+    assert "corral_sdk.integrations.tools" in out["modules"]  # the tool definitions need no extra
+    for mod, extra in (("corral_sdk.integrations.swerex", "swerex"), ("corral_sdk.integrations.mcp_server", "mcp")):
+        assert f"pip install 'corral[{extra}]'" in out["optional"][mod], out["optional"]
 
     corral = os.path.join(os.path.dirname(base_py), "corral")
     assert "sandbox" in _run([corral, "--help"], cwd=tmp).stdout

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 
-from corral_node_agent import audit_fanotify, audit_seccomp, oci
+from corral_node_agent import oci
+from corral_node_agent.audit import fanotify as audit_fanotify
+from corral_node_agent.audit import seccomp as audit_seccomp
 
 
 def test_profile_without_listener_keeps_errno():

@@ -9,7 +9,7 @@ import pytest
 
 from corral_common.contract.errors import InvalidRequest, NotFound
 from corral_image_cache import builtin as images
-from corral_image_cache.builtin import DebootstrapProgress, ImageStore, apt_mirror
+from corral_image_cache.builtin import DebootstrapProgress, ImageStore, apt_mirror, debian
 
 
 def test_busybox_build(tmp_path):
@@ -248,6 +248,6 @@ def test_failed_rebuild_keeps_the_old_image(tmp_path, monkeypatch):
 def test_debian_recipe_names_its_packages(monkeypatch):
     assert "python3-pytest" in images.DEBIAN_PACKAGES
     now = images.recipe_digest("debian")
-    monkeypatch.setattr(images, "DEBIAN_PACKAGES", ("python3", "git"))
+    monkeypatch.setattr(debian, "DEBIAN_PACKAGES", ("python3", "git"))  # what the recipe reads
     assert images.recipe_digest("debian") != now
     assert images.recipe_digest("busybox") is None

@@ -58,6 +58,7 @@ def up(
     docker: bool = typer.Option(False, "--docker", help="also offer the docker substrate (needs a running dockerd)"),
     warm_pool: list[str] = typer.Option([], "--warm-pool", help="IMAGE=COUNT frozen sandboxes each node keeps ready for creates "
                                                                 "to claim (repeatable), e.g. --warm-pool busybox=4"),
+    gateway_port: int = typer.Option(None, help="also serve the SandboxFusion API (`corral gateway`) on this port"),
 ) -> None:
     """Start NATS, the scheduler and node-agents on this machine; stop them all on SIGINT/SIGTERM."""
     from corral_common.lifecycle import run_until_signalled
@@ -70,7 +71,7 @@ def up(
         raise typer.Exit(2)
     stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats,
                   image_dir=image_dir, metrics_port=metrics_port, docker=docker,
-                  node_args=[a for w in warm_pool for a in ("--warm-pool", w)])
+                  node_args=[a for w in warm_pool for a in ("--warm-pool", w)], gateway_port=gateway_port)
 
     async def run(stop: asyncio.Event) -> None:
         try:
@@ -81,6 +82,8 @@ def up(
         for p in stack.procs:
             if p.metrics_url:
                 console.print(f"metrics {p.name}: {p.metrics_url}")
+        if stack.gateway_url:
+            console.print(f"SandboxFusion gateway: {stack.gateway_url}/run_code")
         console.print(f"logs: {stack.data_dir}/logs")
         print(f"corral ready {stack.url}", flush=True)
         await stop.wait()
@@ -190,6 +193,20 @@ def sandbox_rm(sandbox_ids: list[str], all_: bool = typer.Option(False, "--all",
             console.print(f"{sid}: [red]{e.code.value}[/red] {e.message}")
             rc = 1
     raise typer.Exit(rc)
+
+
+@app.command(context_settings=PASSTHROUGH)
+def gateway(ctx: typer.Context) -> None:
+    """Serve the SandboxFusion API (POST /run_code) over HTTP, run on corral (`corral gateway --help` for its options)."""
+    from corral_common import extras
+    from corral_common.contract.errors import Unavailable
+
+    try:
+        extras.require_installed(["aiohttp"], "gateway", "the SandboxFusion gateway")
+    except Unavailable as e:
+        console.print(f"[red]{e.message}[/red]")
+        raise typer.Exit(1) from None
+    _exec_module("corral_gateway", ctx.args)
 
 
 @app.command("image-cache", context_settings=PASSTHROUGH)
@@ -403,6 +420,10 @@ _register_envs(app, PASSTHROUGH)
 from .cli_substrates import register as _register_substrates  # noqa: E402  (run, image export/import-docker)
 
 _register_substrates(app, image_app)
+
+from .cli_integrations import register as _register_integrations  # noqa: E402  (mcp, tools)
+
+_register_integrations(app)
 
 
 def main() -> None:

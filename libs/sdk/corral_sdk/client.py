@@ -280,8 +280,10 @@ class AsyncSandbox:
 
     async def exec(self, cmd: str | list[str], *, stdin: str = "", env: dict[str, str] | None = None, cwd: str | None = None,
                    timeout_s: float = 60.0, session: str = "", max_output_bytes: int = 1024 * 1024,
-                   trajectory: str = "", step: int | None = None, on_divergence: str = "error") -> ExecResult:
-        req = ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s, session=session,
+                   trajectory: str = "", step: int | None = None, on_divergence: str = "error", shell: str = "sh") -> ExecResult:
+        """`session="name"`: run in that persistent shell (cwd and exports carry over), started as
+        `shell` ("sh" or "bash") on first use."""
+        req = ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s, session=session, shell=shell,  # type: ignore[arg-type]
                           max_output_bytes=max_output_bytes, trajectory=trajectory, step=step,
                           on_divergence=on_divergence)  # type: ignore[arg-type]
         r = await self._call("exec", req, ExecReply, timeout=timeout_s + 15)

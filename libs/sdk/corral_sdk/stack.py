@@ -65,6 +65,8 @@ class Stack:
     env_builder: bool = True  # the env-builder (`corral.v1.env.*`)
     env_builder_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)  # extra scheduler arguments (e.g. --stale-after-s)
+    gateway_port: int | None = None  # also the SandboxFusion gateway on this HTTP port (0: a free one), once the nodes are up
+    gateway_args: list[str] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
     ephemeral: bool = False  # data_dir is the owner's scratch: the guard removes it if the owner dies
     guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -73,6 +75,10 @@ class Stack:
     @property
     def url(self) -> str:
         return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port else ""
 
     def _log(self, name: str):
         d = self.log_dir or os.path.join(self.data_dir, "logs")
@@ -153,6 +159,8 @@ class Stack:
     def check_installed(self) -> None:
         """The services' packages are extras (a plain `pip install corral` is the SDK only): say
         which extra is missing before starting anything, not as a child's traceback in a log."""
+        if self.gateway_port is not None:
+            extras.require_installed(["aiohttp"], "gateway", "the SandboxFusion gateway")
         if self.monitor:  # the monitor's ClickHouse: `services` (which includes `node`)
             extras.require_installed(["mfusepy", "aiodocker", "clickhouse_connect", "chdb"], "services", "the embedded stack")
         else:
@@ -213,6 +221,11 @@ class Stack:
             await self._wait_request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout)
         if self.env_builder:
             await self._wait_request(subjects.ENV_LIST, b"{}", timeout)
+        if self.gateway_port is not None:
+            self.gateway_port = self.gateway_port or free_port()
+            self._start("gateway", [py, "-m", "corral_gateway", "--nats", self.url, "--port", str(self.gateway_port), *self.gateway_args],
+                        f"{self.gateway_url}/metrics")
+            await self._wait_port("127.0.0.1", self.gateway_port, timeout)
 
     async def _wait_port(self, host: str, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -35,7 +35,10 @@ BYE = b"bye\n"
 
 
 def stop_order(name: str) -> int:
-    """The group a process stops in: node-agents, loaders, other services, nats-server."""
+    """The group a process stops in: the gateway (no new runs), node-agents, loaders, other
+    services, nats-server."""
+    if name == "gateway":
+        return -1
     if name.startswith("node-"):
         return 0
     if name.startswith("loader-"):

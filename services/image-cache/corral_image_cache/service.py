@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -143,7 +144,13 @@ class ImageCache:
             m = await self._ensure_builtin(req.name, build=True)
             assert m is not None
             return m, [await self.catalog.layer(d) for d in m.layers], 0
-        if src == "layers":
+        if src == "snapshot":  # a node-agent built the layer and uploaded its chunks: register it
+            top = _snapshot_layer(req)
+            for d in req.layers:
+                await self.catalog.layer(d)
+            new.append(top)
+            layers = base_layers + list(req.layers) + [top.digest]
+        elif src == "layers":
             if not req.layers:
                 raise InvalidRequest("source 'layers' needs a non-empty `layers` list of digests")
             for d in req.layers:
@@ -179,7 +186,7 @@ class ImageCache:
             if d not in sizes:
                 sizes[d] = (await self.catalog.layer(d)).size
         image = ImageManifest(name=req.name, layers=layers, created_at=time.time(), size=sum(sizes[d] for d in layers),
-                              labels=req.labels, parent=req.base)
+                              labels=req.labels, parent=req.parent or req.base)
         await self.catalog.put_image(image)
         UPLOADED.inc(uploaded)
         IMPORTS.labels(src).inc()
@@ -233,10 +240,11 @@ class ImageCache:
     async def _gc(self) -> tuple[int, int]:
         """Drop layers no image uses, and the chunks no remaining layer uses.
 
-        Snapshot layers are written by node-agents outside this service's lock: chunks first
-        (deduplicated against what the store holds), then the image, then the layer. A layer that
-        is unused but young may be the very content a snapshot in flight is about to name again,
-        so it is kept for `snapshot_grace_s`; the periodic collection frees it later."""
+        A snapshot's chunks are uploaded by its node-agent outside this service's lock
+        (deduplicated against what the store holds), and only then registered here (import,
+        source "snapshot"). A layer that is unused but young may be the very content a snapshot
+        in flight is about to name again (its chunks deduplicated against this layer's), so it is
+        kept for `snapshot_grace_s`; the periodic collection frees it later."""
         now = time.time()
         used_layers: set[str] = set()
         for n in await self.catalog.image_names():
@@ -266,6 +274,20 @@ class ImageCache:
     def _summary(m: LayerManifest) -> LayerSummary:
         return LayerSummary(digest=m.digest, size=m.size, chunk_size=m.chunk_size, chunks=len(m.chunks),
                             unique_chunks=len(set(m.chunks)), source=m.source, created_at=m.created_at)
+
+
+def _snapshot_layer(req: ImportRequest) -> LayerManifest:
+    """The layer of a snapshot import, checked for the shape build_layer gives (its chunks are in
+    the store already: the node uploaded them before asking)."""
+    m = req.layer
+    if m is None:
+        raise InvalidRequest("source 'snapshot' needs `layer`, the manifest of the layer built from the sandbox")
+    n = -(-m.size // m.chunk_size) if m.chunk_size > 0 else -1
+    if not re.fullmatch(r"sha256-[0-9a-f]{64}", m.digest) or m.size < 0 or len(m.chunks) != n:
+        raise InvalidRequest(f"snapshot layer {m.digest!r} is malformed (size {m.size}, chunk_size {m.chunk_size}, {len(m.chunks)} chunks)")
+    if not m.source.startswith("snapshot:"):
+        raise InvalidRequest(f"snapshot layer source must be 'snapshot:<sandbox>', not {m.source!r}")
+    return m
 
 
 async def _keys(kv) -> list[str]:

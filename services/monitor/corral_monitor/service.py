@@ -17,9 +17,11 @@ from corral_common.contract.audit import RulesReply
 
 from . import rules as rulereg
 from .alerts import AlertManager
-from .consumer import AuditIngest, DeadLetters, EventIngest, Fault, PullConsumer
+from .deadletters import DeadLetters
 from .detect import Detector
 from .evaluate import Evaluator
+from .ingest import AuditIngest, EventIngest, Fault
+from .pull import PullConsumer
 from .query import QueryService
 from .store import DEFAULT_TTL_DAYS, Store, wait_connect
 from .watermark import Watermark

@@ -5,7 +5,7 @@ another node for the same sandbox id. Both nodes can then build it. Whichever cl
 placement key first with a KV create (compare-and-set on "no such key") owns the id; the other
 finds the key taken, destroys what it built and answers `conflict` naming the owner, so one id
 never names two live sandboxes. (Batch items claim the same key before they are made: see
-batchcreate.py; such an item arrives here already claimed.)"""
+handlers/batch.py; such an item arrives here already claimed.)"""
 from __future__ import annotations
 
 import msgspec

@@ -1,6 +1,6 @@
 """Protected paths that stay protected while the node-agent is down: decoys mounted over them.
 
-fanotify permission marks (audit_fanotify.py) deny and audit every open of a protected path, but
+fanotify permission marks (audit/fanotify.py) deny and audit every open of a protected path, but
 they live in the agent's fanotify group: if the agent dies, the kernel allows every open (fanotify
 fails open) until a restarted agent re-marks the sandbox. So the container never sees the real
 files in the first place: at create, each protected path that exists in the image is covered

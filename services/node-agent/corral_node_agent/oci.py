@@ -28,7 +28,7 @@ FS_IOC_GETFSMAP = 0xC0C0583B
 DENIED_IOCTLS = {"FS_IOC_FIEMAP": FS_IOC_FIEMAP, "FS_IOC_GETFSMAP": FS_IOC_GETFSMAP}
 
 # Observed, not denied (with a listener only): the agent reads the call's arguments and lets it
-# continue (SECCOMP_USER_NOTIF_FLAG_CONTINUE): network attempts and signals (audit_seccomp.py).
+# continue (SECCOMP_USER_NOTIF_FLAG_CONTINUE): network attempts and signals (audit/seccomp.py).
 # sendto only with a destination address (a send on a connected socket carries none); signal 0
 # (an existence probe) is not a signal.
 WATCHED_SYSCALLS: list[dict[str, Any]] = [
@@ -48,7 +48,7 @@ CLONE_NS_FLAGS = {
 def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dict[str, Any]:
     """The seccomp policy. With `listener_path` (the node-agent's seccomp-notify socket) the
     denied calls are SCMP_ACT_NOTIFY: runc hands the notify fd to that socket, the agent answers
-    EPERM and records each attempt (audit_seccomp.py); `metadata` (the sandbox id) comes back with
+    EPERM and records each attempt (audit/seccomp.py); `metadata` (the sandbox id) comes back with
     the fd. Without it (docker, tests) they are plain SCMP_ACT_ERRNO(EPERM)."""
     deny: dict[str, Any] = ({"action": "SCMP_ACT_NOTIFY"} if listener_path
                             else {"action": "SCMP_ACT_ERRNO", "errnoRet": EPERM})

@@ -1,4 +1,4 @@
-"""Named sessions: one persistent `/bin/sh` per (sandbox, name) whose cwd and exported variables
+"""Named sessions: one persistent shell (`/bin/sh`, or `/bin/bash` when asked) per (sandbox, name) whose cwd and exported variables
 carry over between exec calls, as an agent's terminal would.
 
 Each call writes the command to a file in the sandbox's read-only /.corral/io and sources it in
@@ -27,9 +27,13 @@ class SessionResult:
         self.ended = ended
 
 
+SHELLS = {"sh": "/bin/sh", "bash": "/bin/bash"}
+
+
 class Session:
-    def __init__(self, name: str, group: str, stdin_fd: int, out_fd: int, err_fd: int, wait: Awaitable[int]):
+    def __init__(self, name: str, group: str, stdin_fd: int, out_fd: int, err_fd: int, wait: Awaitable[int], shell: str = "sh"):
         self.name = name
+        self.shell = shell
         self.group = group
         self.stdin_fd = stdin_fd
         self.lock = asyncio.Lock()

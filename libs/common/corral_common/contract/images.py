@@ -78,7 +78,7 @@ class LoaderEvict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # ----- corral.v1.image.* -----
 
-ImportSource = Literal["dir", "tar", "docker_archive", "upper", "layers", "builtin"]
+ImportSource = Literal["dir", "tar", "docker_archive", "upper", "layers", "builtin", "snapshot"]
 
 
 class ImportRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -88,9 +88,14 @@ class ImportRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     source: ImportSource
     path: str = ""
     base: str = ""  # compose on top of this image's layers
-    layers: list[str] = []  # source "layers": existing layer digests, bottom first
+    layers: list[str] = []  # sources "layers" and "snapshot": existing layer digests, bottom first
     labels: dict[str, str] = {}
     chunk_size: int = DEFAULT_CHUNK
+    #: source "snapshot": the layer a node-agent built from a sandbox's writable layer, its chunks
+    #: uploaded already (the data plane stays on the node); the image-cache registers it on top
+    #: of `layers`, so only the image-cache writes the catalog
+    layer: LayerManifest | None = None
+    parent: str = ""  # the image the new one was made from (recorded; its layers are not added)
 
 
 class NameRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

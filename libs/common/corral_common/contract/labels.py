@@ -25,3 +25,6 @@ DOCKER_STATE = "corral.state"
 DOCKER_SANDBOX = "corral.sandbox"
 DOCKER_JOB = "corral.job"
 DOCKER_USER_PREFIX = "corral.label."  # + a SandboxSpec label key: the user's own labels
+
+# the edge adapter a sandbox was made for (the SandboxFusion gateway: "sandbox-fusion")
+ADAPTER = "corral.adapter"

@@ -115,6 +115,9 @@ class ExecRequest(Request, kw_only=True):
     cwd: str | None = None
     timeout_s: Annotated[float, Meta(gt=0, le=86400)] = 60.0
     session: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
+    # the program a new session runs: `/bin/sh` (POSIX), or `/bin/bash` for agents written against
+    # bash (SWE-ReX, SWE-agent: `source`, `[[ ]]`, arrays); a live session keeps the shell it started with
+    shell: Literal["sh", "bash"] = "sh"
     stream: bool = False
     max_output_bytes: Annotated[int, Meta(ge=0, le=64 * 1024 * 1024)] = 1024 * 1024
     trajectory: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_-]*$")] = ""
@@ -382,6 +385,17 @@ class NodeItemResult(Struct, kw_only=True, omit_defaults=True):
     ok: bool
     sandbox: SandboxInfo | None = None
     error: ErrorBody | None = None
+
+
+class NodeReconciled(Struct, kw_only=True):
+    """`corral.node.<node>.reconciled`, published by a starting node-agent for each substrate that
+    found what a predecessor left: the sandboxes it adopted and those it cleaned up."""
+
+    node: str
+    substrate: str
+    adopted: list[str] = []
+    cleaned: list[str] = []
+    notes: list[str] = []
 
 
 class NodeRun(Struct, kw_only=True):

@@ -21,4 +21,10 @@ Bus protocol (request/reply, JSON; errors are `{"ok": false, "error": {"code", "
     (a named layer in use: conflict; not on the node: not_found; no layer: every unused layer).
 
 A chunk that cannot be fetched or fails verification gives the reader EIO and publishes an
-AuditEvent (kind "error", sandbox "loader", op "chunk_fetch") on `corral.audit.<node>.loader`."""
+AuditEvent (kind "error", sandbox "loader", op "chunk_fetch") on `corral.audit.<node>.loader`.
+
+Modules: `service` (the Loader: bus handlers and the life of the parts), `node_cache` (the layers on
+the node, single-flight chunk loads, the size cap), `cache` (one layer's data file and bitmap),
+`fetcher` (the prioritised fetch pool), `traces` (record and replay start traces), `fusefs` (the
+FUSE callbacks), `fusemount` (libfuse's thread, mount to unmount), `mounts` (mountinfo and umount),
+`config`, `meters`."""

@@ -2,7 +2,7 @@
 `<mount>/<layer digest>`, whose bytes are the layer's EROFS image.
 
 Callbacks run in libfuse's worker threads; they read cached chunks straight from the cache files
-and hand misses to the loader (`read_range`), which bridges to the asyncio loop."""
+and hand misses to the node cache (`read_range`), which bridges to the asyncio loop."""
 from __future__ import annotations
 
 import errno
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import mfusepy as fuse
 
 if TYPE_CHECKING:
-    from .service import Loader
+    from .node_cache import NodeCache
 
 log = logging.getLogger("corral.loader.fuse")
 
@@ -25,8 +25,8 @@ log = logging.getLogger("corral.loader.fuse")
 class LayerFS(fuse.Operations):
     use_ns = True
 
-    def __init__(self, loader: Loader):
-        self.loader = loader
+    def __init__(self, cache: NodeCache):
+        self.cache = cache
         self.handles: dict[int, object] = {}
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -35,7 +35,7 @@ class LayerFS(fuse.Operations):
     def init_with_config(self, conn, config) -> None:
         # more concurrent background (readahead) requests than the kernel's default 12: cold
         # reads of many sandboxes wait on the network in parallel
-        n = self.loader.cfg.fuse_threads
+        n = self.cache.cfg.fuse_threads
         if conn is not None:
             conn.max_background = n
             conn.congestion_threshold = max(1, n * 3 // 4)
@@ -44,7 +44,7 @@ class LayerFS(fuse.Operations):
         name = path.lstrip("/")
         if not name or "/" in name:
             return None
-        layer = self.loader.layers.get(name)
+        layer = self.cache.layers.get(name)
         if layer is None or not layer.visible:
             return None
         return layer
@@ -66,7 +66,7 @@ class LayerFS(fuse.Operations):
     def readdir(self, path: str, fh):
         if path != "/":
             raise fuse.FuseOSError(errno.ENOTDIR)
-        return [".", "..", *(d for d, layer in list(self.loader.layers.items()) if layer.visible)]
+        return [".", "..", *(d for d, layer in list(self.cache.layers.items()) if layer.visible)]
 
     def open(self, path: str, flags: int) -> int:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
@@ -83,7 +83,7 @@ class LayerFS(fuse.Operations):
         layer = self.handles.get(fh)
         if layer is None:
             raise fuse.FuseOSError(errno.EBADF)
-        return self.loader.read_range(layer, offset, size)
+        return self.cache.read_range(layer, offset, size)
 
     def release(self, path: str, fh: int) -> int:
         with self.lock:
@@ -91,10 +91,10 @@ class LayerFS(fuse.Operations):
         return 0
 
     def statfs(self, path: str):
-        total = sum(layer.size for layer in list(self.loader.layers.values()) if layer.visible)
+        total = sum(layer.size for layer in list(self.cache.layers.values()) if layer.visible)
         blocks = (total + 4095) // 4096
         return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": blocks, "f_bfree": 0, "f_bavail": 0,
-                "f_files": len(self.loader.layers) + 1, "f_ffree": 0, "f_namemax": 255}
+                "f_files": len(self.cache.layers) + 1, "f_ffree": 0, "f_namemax": 255}
 
     def access(self, path: str, amode: int) -> int:
         if amode & os.W_OK:
@@ -104,4 +104,4 @@ class LayerFS(fuse.Operations):
         return 0
 
     def destroy(self, path: str) -> None:
-        self.loader.fuse_destroyed()
+        pass  # the mount's end is seen by FuseMount, when libfuse's loop returns

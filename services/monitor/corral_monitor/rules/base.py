@@ -35,7 +35,7 @@ TEST_PATH = re.compile(
 SITE_PATH = re.compile(
     r"(site|dist)-packages(/|$)|/usr/(local/)?lib/python[\d.]*(/|$)|(^|/)(sitecustomize|usercustomize)\.py$|\.pth$"
 )
-# file events that change a file (audit_files.py ops); close_write is not one (opened for writing,
+# file events that change a file (node-agent audit/files.py ops); close_write is not one (opened for writing,
 # perhaps unchanged), nor are caches Python writes by itself when it imports or runs tests
 FILE_WRITE_OPS = frozenset({"write", "create", "unlink", "rename", "truncate", "chmod", "link", "open_write", "rmdir"})
 CACHE_PATH = re.compile(r"/__pycache__/|\.py[co]$|(^|/)\.pytest_cache(/|$)|(^|/)\.mypy_cache(/|$)|(^|/)\.ruff_cache(/|$)")

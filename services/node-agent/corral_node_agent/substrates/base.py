@@ -5,13 +5,20 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 
+from corral_common.contract.errors import InvalidRequest
 from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+if TYPE_CHECKING:
+    from corral_common.layers import ImageManifest, LayerManifest
+
+    from ..cgroups import Cgroups
+    from ..masks import Mask
 
 ChunkCallback = Callable[[str, bytes], None]
 
@@ -23,11 +30,29 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class Sandbox:
-    """What the agent knows about a live sandbox; substrates subclass it for their own state."""
+    """What the agent knows about a live sandbox; substrates subclass it for their own state.
+    The class attributes below are what the agent reads of any sandbox; a substrate that has the
+    thing sets it on its instances, the others keep the default."""
+
+    #: host path of the sandbox's root filesystem, which the agent reads for protected paths and
+    #: canaries (file audit); None: no root the host can see
+    rootfs: str | None = None
+    #: the sandbox's cgroup when corral made it (limits, usage, OOM and pids-limit counters);
+    #: None: the agent asks the substrate for usage and reads no limit counters
+    cg: Cgroups | None = None
+    #: protected paths covered by decoys inside the sandbox (masks.py), so the file audit can
+    #: tell a decoy's activity from the real file's
+    masks: Sequence[Mask] = ()
+    #: the internal id it ran under in a warm pool before a create claimed it ("" if built cold)
+    warm_id: str = ""
+    #: frozen by its substrate's pause (and not yet resumed)
+    paused: bool = False
 
     def __init__(self, info: SandboxInfo, spec: SandboxSpec):
         self.info = info
         self.spec = spec
+        # `changes` requests for one sandbox take turns (Substrate.frozen_changes)
+        self.changes_lock = asyncio.Lock()
 
     @property
     def id(self) -> str:
@@ -42,6 +67,17 @@ class AdoptReport(msgspec.Struct, kw_only=True):
 
 class Substrate(abc.ABC):
     name: ClassVar[str]
+    #: whether its sandboxes' denied syscalls can go to the agent's seccomp-notify listener
+    #: (audit_seccomp.py) to be answered and audited; if so the agent sets `seccomp_listener`
+    #: and `seccomp_fds` before `start`, and hands adopted sandboxes' fds back (`take_notify_fd`)
+    supports_seccomp_notify: ClassVar[bool] = False
+    #: the listener's socket path; None keeps denied syscalls SCMP_ACT_ERRNO, unaudited
+    seccomp_listener: str | None = None
+    #: that listener's notify fds by sandbox id
+    seccomp_fds: dict[str, int] | None = None
+    #: snapshots are whole images the substrate makes (`snapshot_image`; docker: commit, save,
+    #: import) instead of a writable layer the agent packs (`snapshot_dir`)
+    snapshots_itself: ClassVar[bool] = False
 
     async def start(self) -> None:
         """Check prerequisites; raise with a clear message when this substrate cannot run here."""
@@ -75,16 +111,22 @@ class Substrate(abc.ABC):
         """While entered: the sandbox's writable layer as a directory in overlayfs format
         (whiteouts as 0/0 devices), and the image layers below it. The caller freezes the sandbox
         around reading it."""
-        from corral_common.contract.errors import InvalidRequest
-
         raise InvalidRequest(f"substrate {self.name!r} cannot snapshot")
+
+    async def snapshot_image(self, sb: Sandbox, name: str, labels: dict[str, str]) -> tuple[ImageManifest, LayerManifest, int]:
+        """For substrates that `snapshots_itself`: the sandbox as the image `name` (registered in
+        the catalog), its top layer and the bytes uploaded."""
+        raise InvalidRequest(f"substrate {self.name!r} does not make its own snapshot images")
+
+    def take_notify_fd(self, sb: Sandbox) -> int | None:
+        """For substrates that `supports_seccomp_notify`: the seccomp notify fd of a sandbox
+        adopted after a restart, taken back from where it was kept (None: none was kept)."""
+        return None
 
     async def changes(self, sb: Sandbox, req: ChangesRequest) -> ChangesReply:
         """What the sandbox changed against its image, read host-side (nothing inside the sandbox
         is trusted to list or pack it), and the regular files and symlinks under `req.include`
         as a gzip'd tar. The sandbox is frozen while it is read, unless it cannot be."""
-        from corral_common.contract.errors import InvalidRequest
-
         raise InvalidRequest(f"substrate {self.name!r} cannot list changes")
 
     async def frozen_changes(self, sb: Sandbox, upper: str, req: ChangesRequest) -> ChangesReply:
@@ -94,9 +136,8 @@ class Substrate(abc.ABC):
         middle of another's walk."""
         from ..changes import list_changes
 
-        lock = sb.__dict__.setdefault("changes_lock", asyncio.Lock())
-        async with lock:
-            was_paused = bool(getattr(sb, "paused", False))
+        async with sb.changes_lock:
+            was_paused = sb.paused
             if not was_paused:
                 await self.pause(sb)
             try:
@@ -147,7 +188,7 @@ class Substrate(abc.ABC):
     def limit_counters(self, sb: Sandbox) -> tuple[int, int, str] | None:
         """(OOM kills, pids-limit hits, pids limit) so far, from the sandbox's cgroup; None when the
         substrate has no cgroup to read. The agent turns increases into `oom`/`pids` audit events."""
-        cg = getattr(sb, "cg", None)
+        cg = sb.cg
         if cg is None:
             return None
         return cg.oom_kills(), cg.pids_max_hits(), cg.pids_max()
@@ -155,7 +196,7 @@ class Substrate(abc.ABC):
     def audit_root(self, sb: Sandbox) -> str | None:
         """The host path of the sandbox's root filesystem mount, whose file activity the agent
         audits (audit_files.py); None when there is none to watch."""
-        return getattr(sb, "rootfs", None)
+        return sb.rootfs
 
     def watch_exit(self, sb: Sandbox, callback: Callable[[Sandbox], None]) -> None:
         """Call `callback` if the sandbox dies on its own (not through destroy)."""

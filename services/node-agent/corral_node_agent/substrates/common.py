@@ -1,7 +1,7 @@
 """What the substrates whose sandboxes stay (`container`, `docker`) do alike, written once:
 the sandbox record beside its state dir, exit watching through the init's pidfd, adopting exec
 cgroups after a restart, the notes an exec result gets when it was OOM-killed or timed out, and
-named sessions (a long-lived `/bin/sh` per session name, sessions.py) run through scripts in the
+named sessions (a long-lived `/bin/sh` or `/bin/bash` per session name, sessions.py) run through scripts in the
 sandbox's io dir. Each substrate supplies only how a session shell starts and ends."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from corral_common.contract.errors import Conflict
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
@@ -118,6 +119,8 @@ async def session_exec(sb: StayingSandbox, req: ExecRequest, on_chunk: ChunkCall
     async with lock:
         t0 = time.perf_counter()
         session = sb.sessions.get(req.session)
+        if session is not None and session.alive and session.shell != req.shell:
+            raise Conflict(f"session {req.session!r} runs {session.shell}, not {req.shell}: end it (`exit`) or use another name")
         if session is None or not session.alive:
             if session is not None:
                 end(req.session)

@@ -1,115 +1,56 @@
 """The `container` substrate: an OCI container under runc, one per sandbox.
 
 Root is overlayfs: the image's rootfs read-only below, a private upper on a size-capped tmpfs
-(disk_mb) above. PID 1 is corral-init, which forks every exec so that exec inherits the
-sandbox's namespaces, cgroups, seccomp filter and empty capability sets without a ~25 ms
-`runc exec`. Each exec runs in its own child cgroup so that a timeout kills exactly its tree.
-
-A running sandbox keeps no mount in the host's mount table: the tmpfs and the overlay are
-mounted under the state dir only for `runc run`, then detached. Every new mount namespace
-copies the whole host table, so two host mounts per sandbox made each `runc run` slower with
-every sandbox alive (45 ms at 20 host mounts, 200 ms at 4,000). The agent still needs both
-filesystems (files.read/write, file audit, snapshots), also after a restart: corral-init holds
-private clones of them (open_tree) as fds INIT_RW_FD and INIT_ROOT_FD, which the agent (root)
-reaches as /proc/<init>/fd/N; init is non-dumpable, so nothing inside the sandbox can."""
+(disk_mb) above, detached from the host's mount table once the container runs
+(container_sandbox.py). PID 1 is corral-init, which forks every exec (container_exec.py). This
+module is the sandbox's lifecycle: create (cold, or claimed from the warm pool), pause, resume,
+destroy, files, snapshots and changes, and adoption after a restart."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import secrets
-import select
 import shutil
 import signal
 import socket
-import subprocess
 import time
 
 import msgspec
 
 from corral_common import linux
-from corral_common.contract.errors import Code, Conflict, CorralError, Internal, InvalidRequest, Unavailable
+from corral_common.contract.errors import Internal, Unavailable
 from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, confine, initclient, masks, oci
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
-from ..output import PipeReader
-from ..sessions import Session
+from . import runc_cli
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
-from .common import StayingSandbox, adopt_exec_groups, load_record, result_stderr, save_record, session_exec, unwatch_pidfd, watch_pidfd
+from .common import adopt_exec_groups, load_record, save_record, unwatch_pidfd, watch_pidfd
+from .container_exec import exec_in
+from .container_sandbox import DEFAULT_ENV, INIT_NOTIFY_FD, ContainerSandbox, Record, init_responsive, mount_root
+from .runc_cli import readable
 
 log = logging.getLogger("corral.node.container")
-
-DEFAULT_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "LANG": "C.UTF-8",
-    "TERM": "xterm",
-}
-
-
-class Record(msgspec.Struct, kw_only=True):
-    """Persisted beside the bundle so a restarted agent can adopt or clean the sandbox."""
-
-    info: SandboxInfo
-    spec: SandboxSpec
-    init_pid: int
-    layers: list[str] = []
-
 
 #: the CPU quota a sandbox starts with, whatever it asked for (see _create)
 STARTUP_CPU = 1.0
 #: warm-pool sandboxes run under internal ids with this prefix until a claim renames them
 #: (same length as a scheduler's "sb-" + 12 hex, so nothing derived from the id changes size)
 WARM_PREFIX = "wp-"
-#: the fds corral-init holds: 3 is its control socket, then the sandbox's tmpfs and its root
-INIT_RW_FD = 4
-INIT_ROOT_FD = 5
-#: and, handed over after start, its seccomp notify fd (see _hand_notify_fd)
-INIT_NOTIFY_FD = 6
 #: what a warm-pool sandbox is built with; a claim rewrites limits, disk size and workdir
 WARM_SPEC = SandboxSpec(image="busybox", cpu=1.0, memory_mb=256, disk_mb=1024, pids_max=1024)
 
 
-class ContainerSandbox(StayingSandbox):
-    cg: cgroups.Cgroups
-
-    def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups, init_pid: int, layers: list[str]):
-        super().__init__(info, spec, sdir, cg)
-        self.layers = layers
-        self.warm_id = ""  # the internal id it had in the warm pool, if it was claimed from there
-        self.unsettled = False  # claimed, and runc's state, config.json and the record still name warm_id
-        self.rebase(sdir)
-        self.init_pid = init_pid
-        # the sandbox's filesystems, through the clones its init holds (see the module docstring)
-        self.rootfs = f"/proc/{init_pid}/fd/{INIT_ROOT_FD}"
-        self.rw = f"/proc/{init_pid}/fd/{INIT_RW_FD}"
-        # protected paths covered by decoys in the container's mount namespace (masks.py)
-        self.masks: list[masks.Mask] = masks.load(f"{sdir}/masks")
-        try:
-            self.pidfd = os.pidfd_open(init_pid)
-        except OSError:
-            self.pidfd = None
-
-    def rebase(self, sdir: str) -> None:
-        self.sdir = sdir
-        self.ctl = f"{sdir}/ctl.sock"
-        self.io = f"{sdir}/io"
-
-
 class ContainerSubstrate(Substrate):
     name = "container"
-    #: the node-agent's seccomp-notify socket (audit_seccomp.py), set by the agent before create:
-    #: denied syscalls are then SCMP_ACT_NOTIFY and audited; None keeps them SCMP_ACT_ERRNO
-    seccomp_listener: str | None = None
-    #: that listener's notify fds by sandbox id: each sandbox's init is given its own to hold
-    seccomp_fds: dict[str, int] | None = None
+    #: denied syscalls are SCMP_ACT_NOTIFY to the agent's listener once it is set; each
+    #: sandbox's init is given its own notify fd to hold (_hand_notify_fd)
+    supports_seccomp_notify = True
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc"):
         self.node = node
@@ -189,7 +130,7 @@ class ContainerSubstrate(Substrate):
             os.chmod(f"{sdir}/ctl.sock", 0o600)
             listener.listen(256)
             held = [linux.open_tree_clone(f"{sdir}/rw"), linux.open_tree_clone(f"{sdir}/rootfs")]
-            rc = await self._runc_run(sid, sdir, [listener.fileno(), *held])
+            rc = await runc_cli.run_detached(self.runc, self.runc_root, sid, sdir, [listener.fileno(), *held])
         finally:
             listener.close()
             for fd in held:
@@ -197,7 +138,7 @@ class ContainerSubstrate(Substrate):
             # the container has its own copy of the root (and init the clones): off the host's table
             linux.umount_all(sdir)
         if rc != 0:
-            msg = _tail(f"{sdir}/runc.log")
+            msg = runc_cli.log_tail(f"{sdir}/runc.log")
             raise Internal(f"runc could not start sandbox {sid}: {msg}")
         with open(f"{sdir}/init.pid") as f:
             init_pid = int(f.read().strip())
@@ -342,26 +283,6 @@ class ContainerSubstrate(Substrate):
             f.write(text.replace(old, new))
         self._persist(sb)
 
-    async def _runc_run(self, sid: str, sdir: str, fds: list[int]) -> int:
-        """`runc run -d` with `fds` as init's fds 3, 4, ... (--preserve-fds)."""
-        # dup2 onto its own number would keep close-on-exec set, and a later dup2 must not
-        # overwrite a source not yet moved: move every source above the targets first
-        top = 3 + len(fds)
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) if fd < top else fd for fd in fds]
-        argv = [self.runc, "--root", self.runc_root, "run", "-d", "--preserve-fds", str(len(fds)),
-                "--pid-file", f"{sdir}/init.pid", "--bundle", sdir, sid]
-        try:
-            pid = os.posix_spawn(self.runc, argv, os.environ, file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0),
-                (os.POSIX_SPAWN_OPEN, 2, f"{sdir}/runc.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-                *[(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(moved)],
-            ])
-        finally:
-            for fd, orig in zip(moved, fds):
-                if fd != orig:
-                    os.close(fd)
-        return await wait_pid(pid)
 
     def watch_exit(self, sb: Sandbox, callback) -> None:
         assert isinstance(sb, ContainerSandbox)
@@ -393,8 +314,7 @@ class ContainerSubstrate(Substrate):
             os.close(pidfd)
         # killing PID 1 takes the whole pid namespace down; the cgroup sweep catches stragglers
         cg.destroy(timeout=10)
-        subprocess.run([self.runc, "--root", self.runc_root, "delete", "--force", sid],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        runc_cli.delete(self.runc, self.runc_root, sid)
         linux.umount_all(sdir)
         cg.destroy(timeout=1)
         shutil.rmtree(sdir, ignore_errors=True)
@@ -426,85 +346,7 @@ class ContainerSubstrate(Substrate):
 
     async def exec(self, sb: Sandbox, req: ExecRequest, on_chunk: ChunkCallback | None) -> ExecResult:
         assert isinstance(sb, ContainerSandbox)
-        if sb.paused:
-            raise Conflict(f"sandbox {sb.id} is paused; resume it before exec")
-        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
-        env = {**DEFAULT_ENV, **sb.spec.env, **req.env}
-        for k in env:
-            if not k or "=" in k or "\0" in k:
-                raise InvalidRequest(f"invalid environment variable name {k!r}")
-        if req.session:
-            return await session_exec(sb, req, on_chunk, lambda: self._start_session(sb, req.session, env),
-                                      lambda name: _end_session(sb, name))
-        cwd = req.cwd or sb.spec.workdir or "/"
-        group = f"x{sb.epoch}-{next(sb.seq)}"
-        t0 = time.perf_counter()
-        oom_before = sb.cg.oom_kills()
-        cg_fds = sb.cg.make_exec_group(group)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        child_fds = [in_r, out_w, err_w, *cg_fds]
-        try:
-            spawned = await initclient.spawn(sb.ctl, argv, env, cwd, (in_r, out_w, err_w), cg_fds)
-        except (initclient.InitError, ValueError) as e:
-            for fd in (*child_fds, in_w, out_r, err_r):
-                os.close(fd)
-            sb.cg.remove_group(group)
-            if isinstance(e, ValueError):
-                raise InvalidRequest(str(e)) from None
-            raise Unavailable(f"sandbox {sb.id} is not accepting commands: {e}") from None
-        for fd in child_fds:
-            os.close(fd)
-        reader = PipeReader({"stdout": out_r, "stderr": err_r}, req.max_output_bytes, on_chunk)
-        feeder = asyncio.create_task(_feed(in_w, req.stdin.encode()))
-        wait = asyncio.ensure_future(spawned.wait())
-        timed_out = False
-        try:
-            status = await asyncio.wait_for(asyncio.shield(wait), req.timeout_s)
-        except TimeoutError:
-            timed_out = True
-            await asyncio.to_thread(sb.cg.kill_group, group)
-            try:
-                status = await asyncio.wait_for(wait, 10)
-            except (TimeoutError, initclient.InitError):
-                status = signal.SIGKILL
-        except initclient.InitError as e:
-            reader.drain()
-            feeder.cancel()
-            raise Unavailable(f"sandbox {sb.id} went away during exec: {e}") from None
-        finally:
-            if not wait.done():
-                wait.cancel()
-        await reader.finish(grace=0.05)
-        feeder.cancel()
-        if not sb.cg.remove_group(group):
-            sb.lingering.add(group)  # background processes still running; swept on destroy
-        code, sig = _exit_code(status)
-        oom = sig == signal.SIGKILL and sb.cg.oom_kills() > oom_before
-        stderr = result_stderr(reader.text("stderr"), sb.spec, req, oom, timed_out)
-        return ExecResult(
-            exit_code=code, stdout=reader.text("stdout"), stderr=stderr,
-            duration_ms=(time.perf_counter() - t0) * 1000, timed_out=timed_out,
-            truncated=reader.truncated, oom_killed=oom, signal=sig,
-        )
-
-    async def _start_session(self, sb: ContainerSandbox, name: str, env: dict[str, str]) -> Session:
-        group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
-        cg_fds = sb.cg.make_exec_group(group)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            spawned = await initclient.spawn(sb.ctl, ["/bin/sh"], env, sb.spec.workdir or "/", (in_r, out_w, err_w), cg_fds)
-        except initclient.InitError as e:
-            for fd in (in_w, out_r, err_r):
-                os.close(fd)
-            raise Unavailable(f"sandbox {sb.id} cannot start a session: {e}") from None
-        finally:
-            for fd in (in_r, out_w, err_w, *cg_fds):
-                os.close(fd)
-        return Session(name, group, in_w, out_r, err_r, spawned.wait())
+        return await exec_in(sb, req, on_chunk)
 
     # ------------------------------------------------------------------ files
 
@@ -527,13 +369,13 @@ class ContainerSubstrate(Substrate):
         # kernel on a loaded host; thaw and try again a few times before reporting it
         for attempt in range(4):
             try:
-                await self._runc_simple("pause", sb.id)
+                await runc_cli.simple(self.runc, self.runc_root, "pause", sb.id)
                 break
             except Internal:
                 if attempt == 3:
                     raise
                 try:
-                    await self._runc_simple("resume", sb.id)
+                    await runc_cli.simple(self.runc, self.runc_root, "resume", sb.id)
                 except Internal:
                     pass  # it was not left frozen
                 await asyncio.sleep(0.05 * (attempt + 1))
@@ -544,26 +386,9 @@ class ContainerSubstrate(Substrate):
         self.settle(sb)
         if not sb.paused:
             return
-        await self._runc_simple("resume", sb.id)
+        await runc_cli.simple(self.runc, self.runc_root, "resume", sb.id)
         sb.paused = False
 
-    async def _runc_simple(self, verb: str, sid: str, timeout: float = 15.0) -> None:
-        p = await asyncio.create_subprocess_exec(
-            self.runc, "--root", self.runc_root, verb, sid,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            _, err = await asyncio.wait_for(p.communicate(), timeout)
-        except TimeoutError:
-            # a process stuck in uninterruptible sleep (e.g. a FUSE read) cannot be frozen:
-            # give up and make sure the sandbox is left running
-            p.kill()
-            await p.wait()
-            if verb == "pause":
-                await self._runc_simple("resume", sid, timeout)
-            raise CorralError(f"runc {verb} {sid} did not finish within {timeout:g}s", Code.TIMEOUT) from None
-        if p.returncode != 0:
-            raise Internal(f"runc {verb} {sid} failed: {err.decode(errors='replace').strip()}")
 
     async def usage(self, sb: Sandbox) -> Usage:
         assert isinstance(sb, ContainerSandbox)
@@ -581,7 +406,7 @@ class ContainerSubstrate(Substrate):
     def _reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
         report = AdoptReport()
         adopted: list[Sandbox] = []
-        runc_states = self._runc_list()
+        runc_states = runc_cli.states(self.runc, self.runc_root)
         seen: set[str] = set()
         warm = 0
         for sid in sorted(os.listdir(self.sandboxes_dir)) if os.path.isdir(self.sandboxes_dir) else []:
@@ -594,7 +419,7 @@ class ContainerSubstrate(Substrate):
                 continue
             rec = load_record(f"{sdir}/sandbox.json", Record)
             st = runc_states.get(sid)
-            if rec is not None and st is not None and st.get("status") in ("running", "paused") and _responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
+            if rec is not None and st is not None and st.get("status") in ("running", "paused") and init_responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
                 sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid), rec.layers)
                 sb.paused = st.get("status") == "paused"
                 adopt_exec_groups(cg, sb.lingering)
@@ -625,120 +450,4 @@ class ContainerSubstrate(Substrate):
             report.notes.append(f"removed {warm} unclaimed warm-pool sandbox(es)")
         return adopted, report
 
-    def _runc_list(self) -> dict[str, dict]:
-        p = subprocess.run([self.runc, "--root", self.runc_root, "list", "--format", "json"],
-                           capture_output=True, text=True, check=False)
-        if p.returncode != 0 or not p.stdout.strip() or p.stdout.strip() == "null":
-            return {}
-        return {c["id"]: c for c in json.loads(p.stdout)}
 
-
-def mount_root(sdir: str, lower: str, disk_mb: int) -> None:
-    """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs; `sdir/rootfs`:
-    the overlay of `lower` (image layers, ':'-separated) and that upper."""
-    linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={disk_mb}m,mode=755")
-    os.mkdir(f"{sdir}/rw/upper", 0o755)
-    os.mkdir(f"{sdir}/rw/work", 0o755)
-    # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
-    # to root for a host user who can reach the state dir. upper and work are given as
-    # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
-    # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
-    # claim renames it) must not show there. index=on,nfs_export=on make the overlay's file
-    # handles decodable, which fanotify needs to report its directory entry events
-    # (create/unlink/rename) with paths (audit_files.py); without them (a lower that cannot
-    # export handles) the overlay is mounted plain and file activity falls back to fd mode
-    up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
-    wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
-    try:
-        opts = f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}"
-        try:
-            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
-        except OSError:
-            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
-    finally:
-        os.close(up)
-        os.close(wk)
-
-
-def readable(fd: int, timeout_s: float) -> bool:
-    """poll(2), not select(2): a node with a thousand sandboxes holds fds above FD_SETSIZE (1024)."""
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    return bool(p.poll(int(timeout_s * 1000)))
-
-
-async def wait_pid(pid: int) -> int:
-    """Wait for a child without blocking the loop or using a SIGCHLD watcher (pidfd readiness)."""
-    loop = asyncio.get_running_loop()
-    pidfd = os.pidfd_open(pid)
-    try:
-        fut = loop.create_future()
-        loop.add_reader(pidfd, lambda: fut.done() or fut.set_result(None))
-        try:
-            await fut
-        finally:
-            loop.remove_reader(pidfd)
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        os.close(pidfd)
-
-
-async def _feed(fd: int, data: bytes) -> None:
-    """Write stdin without blocking the loop; close it so the reader sees EOF."""
-    try:
-        os.set_blocking(fd, False)
-        view = memoryview(data)
-        loop = asyncio.get_running_loop()
-        while view:
-            try:
-                n = os.write(fd, view)
-                view = view[n:]
-            except BlockingIOError:
-                fut = loop.create_future()
-                loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
-                try:
-                    await fut
-                finally:
-                    loop.remove_writer(fd)
-            except BrokenPipeError:
-                break
-    finally:
-        os.close(fd)
-
-
-def _exit_code(status: int) -> tuple[int, int | None]:
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return 128 + sig, sig
-    if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status), None
-    return 255, None
-
-
-def _end_session(sb: ContainerSandbox, name: str) -> None:
-    s = sb.sessions.pop(name, None)
-    if s is not None:
-        s.close()
-
-
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:].strip() or "(no output)"
-    except OSError:
-        return "(no log)"
-
-
-def _responsive(ctl: str, paused: bool) -> bool:
-    if paused:
-        return os.path.exists(ctl)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1)
-    try:
-        s.connect(ctl)
-        return True
-    except OSError as e:
-        return e.errno == errno.EAGAIN
-    finally:
-        s.close()

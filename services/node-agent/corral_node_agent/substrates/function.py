@@ -6,10 +6,7 @@ no_new_privs, masked /proc corners, cgroup limits for memory, cpu and pids, and 
 overlayfs over the image's read-only EROFS layers with a private upper on a size-capped tmpfs.
 
 What it leaves out is what a one-shot call does not need: there is no resident init, no control
-socket and no `runc exec`. The command itself is the container's process, started by one
-`runc run -d` whose stdin, stdout and stderr are the call's pipes (runc passes them through). When
-the command exits, its pid namespace goes with it, so nothing it started outlives the call; a
-timeout freezes and kills the sandbox's cgroup.
+socket and no `runc exec`. The command itself is the container's process (function_run.py).
 
 What does not depend on the call is done before it arrives, in two tiers per recently used image:
 
@@ -20,9 +17,8 @@ What does not depend on the call is done before it arrives, in two tiers per rec
   start. Refills wait until the node has been quiet for a moment, because making one costs a
   full runc start that back-to-back calls would otherwise compete with.
 * *slots* (`slots_per_image`, default 2): layers mounted through the node's loader, tmpfs,
-  overlay root, and a network namespace holding only `lo`, already up, which runc joins instead of
-  creating one (which is also what makes runc fastest). A call without a warm sandbox takes a
-  slot, applies its disk size and workdir, writes config.json, runs runc and waits. Cheap to
+  overlay root, and a network namespace holding only `lo` (function_slots.py). A call without a
+  warm sandbox takes a slot, applies its disk size and workdir, writes config.json, runs runc and waits. Cheap to
   refill, so back-to-back calls always find one.
 
 The reply goes out as soon as the command has exited; the teardown (cgroup, runc state, mounts,
@@ -32,75 +28,33 @@ sandboxes are released after `slot_idle_s`; a node-agent restart cleans up every
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
-import platform
 import secrets
 import shutil
-import signal
-import socket
-import struct
-import threading
 import time
-from dataclasses import dataclass, field
-
-import msgspec
 
 from corral_common import linux, metrics
 from corral_common.contract import subjects
-from corral_common.contract.errors import Internal, InvalidRequest, Unavailable
-from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.errors import InvalidRequest, Unavailable
+from corral_common.contract.messages import ExecRequest, SandboxInfo, SandboxSpec
 
-from .. import cgroups, confine, oci
-from ..aio import wait_readable as _wait_readable
+from .. import cgroups, confine
 from ..layermounts import LayerMounts
-from ..output import PipeReader
 from .base import AdoptReport, ChunkCallback, Sandbox
-from .common import result_stderr
-from .container import DEFAULT_ENV, ContainerSandbox, ContainerSubstrate, _feed, mount_root, readable, wait_pid
+from .container import ContainerSubstrate
+from .container_sandbox import DEFAULT_ENV, ContainerSandbox
+from .function_run import run_in_slot
+from .function_slots import Hold, Slot, prepare_slot
+from .runc_cli import readable
 
 log = logging.getLogger("corral.node.function")
 
 CALLS = metrics.counter("corral_function_calls_total", "Function calls by the tier that served them: warm (a ready "
                         "sandbox), slot (runc in a prepared root) or cold (root prepared during the call)", ("node", "tier"))
 
-MS_REMOUNT = 32
-CLONE_NEWNET = 0x40000000
 ID_PREFIX = "fn-"
-NATIVE_ARCHES = {
-    "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
-    "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
-}
 WARM_QUIET_S = 0.25  # make a warm sandbox only after this long without a call starting (and none tearing down)
-
-
-@dataclass
-class Hold:
-    """The node's layer mounts of one image, taken once and shared by all its slots (so a call
-    costs the loader no prepare/release round trip); given back once dropped and unused."""
-
-    image: str
-    lowers: list[str]
-    layers: list[str]
-    users: int = 0
-    dropped: bool = False
-
-
-@dataclass
-class Slot:
-    """A prepared, never used sandbox root: `sdir/rootfs` (overlay), `sdir/rw` (tmpfs upper),
-    `sdir/netns` (a bind-mounted network namespace with lo up)."""
-
-    sid: str
-    sdir: str
-    hold: Hold
-    disk_mb: int
-    made_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def rootfs(self) -> str:
-        return f"{self.sdir}/rootfs"
 
 
 class FunctionSubstrate(ContainerSubstrate):
@@ -186,7 +140,7 @@ class FunctionSubstrate(ContainerSubstrate):
             self.running[slot.sid] = slot
             try:
                 async with self.watch_run(info, slot.rootfs):
-                    result = await self._run_in(slot, spec, req, argv, env, cwd, on_chunk)
+                    result = await run_in_slot(self, slot, spec, req, argv, env, cwd, on_chunk)
             except BaseException:
                 await asyncio.shield(self._release(slot))
                 raise
@@ -195,88 +149,6 @@ class FunctionSubstrate(ContainerSubstrate):
             self.inflight -= 1
             self._refill_warm(spec.image)
 
-    async def _run_in(self, slot: Slot, spec: SandboxSpec, req: ExecRequest, argv: list[str], env: dict[str, str],
-                      cwd: str, on_chunk: ChunkCallback | None) -> ExecResult:
-        sid, sdir = slot.sid, slot.sdir
-        t0 = time.perf_counter()
-        if spec.disk_mb != slot.disk_mb:
-            await asyncio.to_thread(linux.mount, "tmpfs", f"{sdir}/rw", "tmpfs",
-                                    MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m")
-            slot.disk_mb = spec.disk_mb
-        if spec.workdir not in ("", "/"):
-            await asyncio.to_thread(confine.mkdirs, slot.rootfs, spec.workdir)
-        if cwd != "/":
-            problem = _dir_problem(slot.rootfs, cwd)
-            if problem:  # what the container substrate's init answers, instead of runc creating it
-                return ExecResult(exit_code=126, stderr=f"corral: cannot change directory to {cwd}: {problem}\n",
-                                  duration_ms=(time.perf_counter() - t0) * 1000)
-        cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
-        cfg = oci.config(hostname=sid, init_path=self.init_path, io_dir=f"{sdir}/io",
-                         cgroups_path="/" + cg.rel, env=env, cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max)
-        cfg["process"]["args"] = argv
-        cfg["process"]["cwd"] = cwd
-        cfg["mounts"] = [m for m in cfg["mounts"] if not m["destination"].startswith("/.corral")]
-        for ns in cfg["linux"]["namespaces"]:
-            if ns["type"] == "network":
-                ns["path"] = f"{sdir}/netns"
-        # only the architectures this kernel can present: the filter (and runc's work compiling
-        # it) shrinks, nothing is allowed that was denied (a foreign arch never matches here)
-        cfg["linux"]["seccomp"]["architectures"] = NATIVE_ARCHES.get(platform.machine(), cfg["linux"]["seccomp"]["architectures"])
-        with open(f"{sdir}/config.json", "wb") as f:
-            f.write(msgspec.json.encode(cfg))
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        deadline = time.monotonic() + req.timeout_s
-        try:
-            pid = os.posix_spawn(self.runc, [
-                self.runc, "--root", self.runc_root, "--log", f"{sdir}/runc.log", "run", "-d",
-                "--pid-file", f"{sdir}/pid", "--bundle", sdir, sid,
-            ], os.environ, file_actions=[
-                (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2),
-            ])
-        except OSError:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-                os.close(fd)
-            raise
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
-        reader = PipeReader({"stdout": out_r, "stderr": err_r}, req.max_output_bytes, on_chunk)
-        feeder = asyncio.create_task(_feed(in_w, req.stdin.encode()))
-        try:
-            try:
-                rc = await asyncio.wait_for(wait_pid(pid), max(0.1, deadline - time.monotonic()) + 30)
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
-                await wait_pid(pid)
-                raise Unavailable(f"runc did not start function sandbox {sid} in time") from None
-            if rc != 0:
-                reader.drain()
-                return _runc_failed(argv, reader.text("stderr"), _tail(f"{sdir}/runc.log"), t0)
-            with open(f"{sdir}/pid") as f:
-                cpid = int(f.read().strip())
-            pidfd = os.pidfd_open(cpid)
-            timed_out = False
-            try:
-                if not await _wait_readable(pidfd, deadline - time.monotonic()):
-                    timed_out = True
-                    await asyncio.to_thread(cgroups.kill_dirs, cg.all_dirs(), cg.v2, 5.0)
-                    await _wait_readable(pidfd, 10)
-                try:
-                    si = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
-                except ChildProcessError:
-                    si = None
-            finally:
-                os.close(pidfd)
-        finally:
-            feeder.cancel()
-        await reader.finish(grace=0.2)
-        code, sig = _status(si)
-        oom = sig == signal.SIGKILL and cg.oom_kills() > 0
-        stderr = result_stderr(reader.text("stderr"), spec, req, oom, timed_out)
-        return ExecResult(exit_code=code, stdout=reader.text("stdout"), stderr=stderr,
-                          duration_ms=(time.perf_counter() - t0) * 1000, timed_out=timed_out,
-                          truncated=reader.truncated, oom_killed=oom, signal=sig)
 
     # ------------------------------------------------------------------ slots
 
@@ -345,19 +217,12 @@ class FunctionSubstrate(ContainerSubstrate):
         sid = f"{ID_PREFIX}{secrets.token_hex(6)}"
         slot = Slot(sid=sid, sdir=f"{self.sandboxes_dir}/{sid}", hold=hold, disk_mb=disk_mb)
         try:
-            await asyncio.to_thread(self._prepare_sync, slot, ":".join(hold.lowers))
+            await asyncio.to_thread(prepare_slot, slot, ":".join(hold.lowers))
         except BaseException:
             await asyncio.shield(self._release(slot))
             raise
         return slot
 
-    def _prepare_sync(self, slot: Slot, lower: str) -> None:
-        sdir = slot.sdir
-        os.makedirs(sdir, mode=0o700)
-        os.makedirs(f"{sdir}/rw")
-        os.makedirs(f"{sdir}/rootfs")
-        mount_root(sdir, lower, slot.disk_mb)  # (with decodable handles: file activity with paths)
-        make_netns(f"{sdir}/netns")
 
     async def _release(self, slot: Slot) -> None:
         """Remove everything of a slot or finished call: cgroup (and any process in it), runc
@@ -539,84 +404,6 @@ class FunctionSubstrate(ContainerSubstrate):
 # ---------------------------------------------------------------------- helpers
 
 
-def make_netns(path: str) -> None:
-    """A fresh network namespace with only `lo`, up, kept alive by a bind mount at `path`.
-
-    unshare(CLONE_NEWNET) moves only the calling thread, so a throwaway thread makes it; the
-    agent's own threads stay in the host namespace."""
-    import ctypes
-    import fcntl
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            if libc.unshare(CLONE_NEWNET) != 0:
-                e = ctypes.get_errno()
-                raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                req = struct.pack("16sH14x", b"lo", 0)
-                flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), linux.SIOCGIFFLAGS, req))[1]
-                fcntl.ioctl(s.fileno(), linux.SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | linux.IFF_UP))
-            with open(path, "w"):
-                pass
-            linux.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, "", linux.MS_BIND)
-        except BaseException as e:  # reported to the caller
-            err.append(e)
-
-    t = threading.Thread(target=run, name="netns")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
-
-
 def _write(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
-
-
-def _dir_problem(root: str, path: str) -> str:
-    """'' if `path` is a directory inside `root` (resolved as the sandbox would), else why not."""
-    rootfd = os.open(root, confine.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd = linux.openat2(rootfd, path, confine.O_PATH | os.O_DIRECTORY, 0, confine.RESOLVE)
-        os.close(fd)
-        return ""
-    except OSError as e:
-        return os.strerror(e.errno or errno.ENOENT)
-    finally:
-        os.close(rootfd)
-
-
-
-
-def _status(si) -> tuple[int, int | None]:
-    if si is None:
-        return 255, None
-    if si.si_code == os.CLD_EXITED:
-        return si.si_status, None
-    return 128 + si.si_status, si.si_status
-
-
-def _runc_failed(argv: list[str], stderr: str, runc_log: str, t0: float) -> ExecResult:
-    """runc exits non-zero only if the command never started: say why the way the container
-    substrate's init does (127 not found, 126 not executable), or fail the call."""
-    text = f"{stderr}\n{runc_log}"
-    ms = (time.perf_counter() - t0) * 1000
-    if "executable file not found" in text or ("no such file or directory" in text and "exec" in text):
-        return ExecResult(exit_code=127, stderr=f"corral: cannot run {argv[0]}: No such file or directory\n", duration_ms=ms)
-    if "permission denied" in text and "exec" in text:
-        return ExecResult(exit_code=126, stderr=f"corral: cannot run {argv[0]}: Permission denied\n", duration_ms=ms)
-    if "exec format error" in text:
-        return ExecResult(exit_code=126, stderr=f"corral: cannot run {argv[0]}: Exec format error\n", duration_ms=ms)
-    raise Internal(f"runc could not start the function sandbox: {(stderr.strip() or runc_log)[-2000:]}")
-
-
-def _tail(path: str, n: int = 4000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""

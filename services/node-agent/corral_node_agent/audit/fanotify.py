@@ -22,9 +22,7 @@ dies, the group closes and the kernel allows pending and later opens (fanotify f
 restarted agent re-marks adopted sandboxes from their persisted specs."""
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import errno
 import logging
 import os
 import stat
@@ -34,7 +32,8 @@ from dataclasses import dataclass, field
 
 from corral_common import linux, metrics
 
-from .confine import O_PATH, RESOLVE
+from ..confine import O_PATH, RESOLVE
+from .reader import METADATA, FanotifyReader
 
 log = logging.getLogger("corral.node.fanotify")
 
@@ -53,7 +52,6 @@ FAN_NOFD = -1
 FAN_Q_OVERFLOW = 0x4000
 AT_FDCWD = -100
 O_LARGEFILE = 0o100000
-METADATA = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 RESPONSE = struct.Struct("=iI")
 FILE_MASK = FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM
 DIR_MASK = FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM | FAN_EVENT_ON_CHILD | FAN_ONDIR
@@ -118,8 +116,10 @@ def under(path: str, top: str) -> bool:
 
 
 class FileAudit:
-    def __init__(self, node: str, on_event: Callback, on_overflow: Callable[[list[str]], None] | None = None):
+    def __init__(self, node: str, on_event: Callback, on_overflow: Callable[[list[str]], None] | None = None,
+                 reader: FanotifyReader | None = None):
         self.node = node
+        self.reader = reader or FanotifyReader()
         self.on_event = on_event
         #: the kernel's queue overflowed (FAN_Q_OVERFLOW): called with every watched sandbox, as
         #: the lost events cannot be attributed
@@ -130,14 +130,12 @@ class FileAudit:
 
     def start(self) -> None:
         self.fd = fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY | O_LARGEFILE)
-        asyncio.get_running_loop().add_reader(self.fd, self._on_ready)
+        # permission events carry no info records: 64 of them per read
+        self.reader.add(self.fd, self._handle, bufsize=64 * METADATA.size)
 
     def close(self) -> None:
         if self.fd is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(self.fd)
-            except (RuntimeError, ValueError):
-                pass
+            self.reader.remove(self.fd)
             os.close(self.fd)  # the kernel allows whatever was still pending
             self.fd = None
         self.sandboxes.clear()
@@ -314,31 +312,10 @@ class FileAudit:
     def drain(self) -> None:
         """Answer everything queued now (agent `audit` op: the grader's consistent point)."""
         if self.fd is not None:
-            self._on_ready()
+            self.reader.drain(self.fd)
 
-    def _on_ready(self) -> None:
-        assert self.fd is not None
-        while True:
-            try:
-                buf = os.read(self.fd, 64 * METADATA.size)
-            except BlockingIOError:
-                return
-            except OSError as e:
-                if e.errno == errno.EINTR:
-                    continue
-                log.warning("fanotify read failed", extra={"fields": {"error": str(e)}})
-                return
-            if not buf:
-                return
-            off = 0
-            while off + METADATA.size <= len(buf):
-                event_len, _vers, _res, _mlen, mask, efd, pid = METADATA.unpack_from(buf, off)
-                if event_len < METADATA.size:
-                    break
-                off += event_len
-                self._handle(mask, efd, pid)
-
-    def _handle(self, mask: int, efd: int, pid: int) -> None:
+    def _handle(self, mask: int, efd: int, pid: int, _buf: bytes = b"", _start: int = 0, _end: int = 0, _now: float = 0.0) -> None:
+        """Answer one permission event (the reader closes its fd after the answer)."""
         allow = True
         try:
             if efd == FAN_NOFD:
@@ -379,9 +356,7 @@ class FileAudit:
                 try:
                     os.write(self.fd, RESPONSE.pack(efd, FAN_ALLOW if allow else FAN_DENY))
                 except OSError:
-                    pass
-            if efd >= 0:
-                os.close(efd)
+                    pass  # the opener is gone (or the group closed): nothing waits for the answer
 
     def _path_of(self, sid: str, efd: int) -> str | None:
         w = self.sandboxes.get(sid)

@@ -1,6 +1,6 @@
 """General file activity of sandboxes (open, write, create, unlink, rename, exec) with path and pid,
 from fanotify notification events (they never block the sandbox, unlike the permission events of
-audit_fanotify.py).
+fanotify.py). Both are read by the one loop of reader.py.
 
 One notification group per node and per mode, one superblock mark (FAN_MARK_FILESYSTEM) per
 sandbox root:
@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 from corral_common import metrics
 
-from .audit_fanotify import FAN_CLOEXEC, FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_NOFD, FAN_NONBLOCK, FAN_ONDIR, METADATA, O_LARGEFILE, _libc
+from .fanotify import FAN_CLOEXEC, FAN_MARK_ADD, FAN_MARK_REMOVE, FAN_NOFD, FAN_NONBLOCK, FAN_ONDIR, O_LARGEFILE, _libc
+from .reader import FanotifyReader
 
 log = logging.getLogger("corral.node.files")
 
@@ -139,8 +140,9 @@ def fsid_of(path: str) -> tuple[int, int]:
 
 class FileActivity:
     def __init__(self, node: str, on_event: Callback, rate: float = 2000.0, burst: float = 10000.0, window_s: float = 5.0,
-                 max_seen: int = 20000):
+                 max_seen: int = 20000, reader: FanotifyReader | None = None):
         self.node = node
+        self.reader = reader or FanotifyReader()
         self.on_event = on_event
         self.rate, self.burst, self.window_s, self.max_seen = rate, burst, window_s, max_seen
         self.fid_fd: int | None = None
@@ -160,12 +162,11 @@ class FileActivity:
         self.skipped_raw = SKIPPED_RAW.labels(node)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
         self.fid_fd = _init(FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_REPORT_DIR_FID | FAN_REPORT_NAME)
-        loop.add_reader(self.fid_fd, self._on_ready, self.fid_fd, True)
+        self.reader.add(self.fid_fd, self._on_fid)
         try:
             self.fd_fd = _init(FAN_CLASS_NOTIF)
-            loop.add_reader(self.fd_fd, self._on_ready, self.fd_fd, False)
+            self.reader.add(self.fd_fd, self._on_fd)
         except OSError as e:
             log.warning("fanotify fd-mode group unavailable", extra={"fields": {"error": str(e)}})
         self._tick()
@@ -177,10 +178,7 @@ class FileActivity:
             self.remove(sid)
         for fd in (self.fid_fd, self.fd_fd):
             if fd is not None:
-                try:
-                    asyncio.get_running_loop().remove_reader(fd)
-                except (RuntimeError, ValueError):
-                    pass
+                self.reader.remove(fd)
                 os.close(fd)
         self.fid_fd = self.fd_fd = None
 
@@ -232,9 +230,9 @@ class FileActivity:
         its command ends, before the loop has had a turn to read what the command did."""
         if sid not in self.watches:
             return
-        for gfd, fid in ((self.fid_fd, True), (self.fd_fd, False)):
+        for gfd in (self.fid_fd, self.fd_fd):
             if gfd is not None:
-                self._on_ready(gfd, fid)
+                self.reader.read(gfd)
         w = self.watches.pop(sid, None)
         if w is None:
             return
@@ -297,55 +295,31 @@ class FileActivity:
         """Read everything the kernel has queued (the events of what a sandbox did so far are
         queued by the time its syscalls returned), then report this sandbox's drops at once: the
         grader's consistent point (agent `audit` op) must not wait for the next tick."""
-        for gfd, fid in ((self.fid_fd, True), (self.fd_fd, False)):
+        for gfd in (self.fid_fd, self.fd_fd):
             if gfd is not None:
-                for _ in range(1000):
-                    if self._on_ready(gfd, fid):
-                        break
+                self.reader.drain(gfd)
         w = self.watches.get(sid)
         if w is not None:
             self._notice(w, time.monotonic(), force=True)
 
-    def _on_ready(self, gfd: int, fid: bool) -> bool:
-        """Read up to 64 buffers (bounded per wakeup so one busy sandbox cannot starve the loop);
-        True when the queue was found empty."""
-        for _ in range(64):
-            try:
-                buf = os.read(gfd, 1 << 16)
-            except BlockingIOError:
-                return True
-            except OSError as e:
-                if e.errno == errno.EINTR:
-                    continue
-                log.warning("fanotify read failed", extra={"fields": {"error": str(e)}})
-                return True
-            if not buf:
-                return True
-            now = time.monotonic()
-            off = 0
-            while off + METADATA.size <= len(buf):
-                event_len, _v, _r, mlen, mask, efd, pid = METADATA.unpack_from(buf, off)
-                if event_len < METADATA.size:
-                    break
-                try:
-                    if mask & FAN_Q_OVERFLOW:
-                        self._overflow()
-                    elif fid:
-                        record = (mask, buf[off + mlen:off + event_len])
-                        hit = self.raw_seen.get(record)
-                        if hit is None or hit[1] not in hit[0].seen or self.watches.get(hit[0].sid) is not hit[0]:
-                            self._fid_event(buf, off + mlen, off + event_len, mask, pid, now, record)
-                        else:
-                            self.skipped_raw.inc()
-                    else:
-                        self._fd_event(efd, mask, pid, now)
-                except Exception:
-                    log.exception("bad fanotify event")
-                finally:
-                    if efd >= 0:
-                        os.close(efd)
-                off += event_len
-        return False
+    def _on_fid(self, mask: int, efd: int, pid: int, buf: bytes, start: int, end: int, now: float) -> None:
+        """One event of the FID group (reader.py reads the group and closes the event fd)."""
+        if mask & FAN_Q_OVERFLOW:
+            self._overflow()
+            return
+        record = (mask, buf[start:end])
+        hit = self.raw_seen.get(record)
+        if hit is None or hit[1] not in hit[0].seen or self.watches.get(hit[0].sid) is not hit[0]:
+            self._fid_event(buf, start, end, mask, pid, now, record)
+        else:
+            self.skipped_raw.inc()
+
+    def _on_fd(self, mask: int, efd: int, pid: int, buf: bytes, start: int, end: int, now: float) -> None:
+        """One event of the fd-mode group."""
+        if mask & FAN_Q_OVERFLOW:
+            self._overflow()
+        else:
+            self._fd_event(efd, mask, pid, now)
 
     def _overflow(self) -> None:
         DROPPED.labels(self.node, "queue_overflow").inc()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from corral_common import metrics
 
-from . import oci
+from .. import oci
 
 log = logging.getLogger("corral.node.seccomp")
 

@@ -1,0 +1,152 @@
+"""A sandbox's operations, `corral.v1.sandbox.<id>.<op>`, served by the node that holds it and
+dispatched by a table: op name -> handler."""
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.msg import Msg
+
+from corral_common import bus
+from corral_common.contract import subjects
+from corral_common.contract.envelope import Reply
+from corral_common.contract.errors import InvalidRequest
+from corral_common.contract.messages import (
+    AuditState,
+    ChangesReply,
+    ChangesRequest,
+    ExecRequest,
+    FileContent,
+    FileReadRequest,
+    FileWriteRequest,
+    RenewRequest,
+    SnapshotRequest,
+)
+from corral_common.contract.replies import (
+    DestroyReply,
+    ExecReply,
+    FileReadReply,
+    FileWriteReply,
+    InfoReply,
+    SandboxReply,
+    SandboxUsageInfo,
+    SnapshotReply,
+)
+
+from ..audit.wiring import AuditWiring
+from ..lifecycle import Lifecycle
+from ..placements import Placements
+from ..snapshot import Snapshots
+from ..substrates import Substrate
+from ..substrates.base import Sandbox
+from ..table import SandboxTable
+from .exec import ExecFn
+from .traj import Trajectories
+
+OpHandler = Callable[[Msg, Sandbox, Substrate], Awaitable[Reply]]
+
+
+class _Empty(msgspec.Struct, forbid_unknown_fields=False):
+    """The body of the ops that take no arguments (anything is accepted, as before there were any)."""
+
+
+class SandboxOps:
+    def __init__(self, table: SandboxTable, lifecycle: Lifecycle, audit: AuditWiring, placements: Placements,
+                 snapshots: Snapshots, exec_: ExecFn, trajectories: Trajectories):
+        self.table = table
+        self.lifecycle = lifecycle
+        self.audit = audit
+        self.placements = placements
+        self.snapshots = snapshots
+        self.exec = exec_  # the exec handler, replay-wrapped
+        self.ops: dict[str, OpHandler] = {
+            "exec": self._exec,
+            "info": self._info,
+            "files.read": self._read,
+            "files.write": self._write,
+            "destroy": self._destroy,
+            "pause": self._pause,
+            "resume": self._resume,
+            "snapshot": self._snapshot,
+            "changes": self._changes,
+            "audit": self._audit,
+            "renew": self._renew,
+            "restore": trajectories.restore,
+        }
+
+    def handler(self, sid: str) -> bus.Handler:
+        """The handler of `corral.v1.sandbox.<sid>.>`."""
+        prefix = f"{subjects.PREFIX}.sandbox.{sid}."
+
+        async def handle(msg: Msg) -> Reply:
+            op = msg.subject[len(prefix):]
+            sb, sub = self.table.live(sid)
+            fn = self.ops.get(op)
+            if fn is None:
+                raise InvalidRequest(f"unknown sandbox operation {op!r}; known: {', '.join(subjects.SANDBOX_OPS)}")
+            return await fn(msg, sb, sub)
+
+        return handle
+
+    async def _exec(self, msg: Msg, sb: Sandbox, sub: Substrate) -> ExecReply:
+        req = bus.decode(msg.data, ExecRequest)
+        if isinstance(req.cmd, str) and not req.cmd.strip():
+            raise InvalidRequest("cmd is empty")
+        return ExecReply(result=await self.exec(msg, req, sb, sub))
+
+    async def _info(self, msg: Msg, sb: Sandbox, sub: Substrate) -> InfoReply:
+        bus.decode(msg.data, _Empty)
+        u = await sub.usage(sb)
+        return InfoReply(sandbox=sb.info, usage=SandboxUsageInfo(cpu_ns=u.cpu_ns, memory_bytes=u.memory_bytes, pids=u.pids))
+
+    async def _read(self, msg: Msg, sb: Sandbox, sub: Substrate) -> FileReadReply:
+        r = bus.decode(msg.data, FileReadRequest)
+        await self.audit.check_file_read(sb, r.path)
+        data, mode = await sub.read_file(sb, r.path, r.max_bytes)
+        return FileReadReply(file=FileContent(path=r.path, content_b64=base64.b64encode(data).decode(), size=len(data), mode=mode))
+
+    async def _write(self, msg: Msg, sb: Sandbox, sub: Substrate) -> FileWriteReply:
+        w = bus.decode(msg.data, FileWriteRequest)
+        try:
+            data = base64.b64decode(w.content_b64, validate=True)
+        except ValueError:
+            raise InvalidRequest("content_b64 is not valid base64") from None
+        await sub.write_file(sb, w.path, data, w.mode, w.make_parents)
+        return FileWriteReply(path=w.path, size=len(data))
+
+    async def _destroy(self, msg: Msg, sb: Sandbox, sub: Substrate) -> DestroyReply:
+        bus.decode(msg.data, _Empty)
+        await self.lifecycle.destroy(sb.id, "destroyed by request")
+        return DestroyReply(sandbox_id=sb.id)
+
+    async def _pause(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:
+        await sub.pause(sb)
+        sb.info.state = "paused"
+        await self.placements.put(sb)
+        return SandboxReply(sandbox=sb.info)
+
+    async def _resume(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:
+        await sub.resume(sb)
+        sb.info.state = "running"
+        await self.placements.put(sb)
+        return SandboxReply(sandbox=sb.info)
+
+    async def _snapshot(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SnapshotReply:
+        req = bus.decode(msg.data, SnapshotRequest)
+        image, layer, uploaded = await self.snapshots.take(sb, sub, req.name, req.labels)
+        return SnapshotReply(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
+
+    async def _changes(self, msg: Msg, sb: Sandbox, sub: Substrate) -> ChangesReply:
+        return await sub.changes(sb, bus.decode(msg.data, ChangesRequest))
+
+    async def _audit(self, msg: Msg, sb: Sandbox, sub: Substrate) -> AuditState:
+        bus.decode(msg.data, _Empty)
+        return await self.audit.state(sb.id)
+
+    async def _renew(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:
+        r = bus.decode(msg.data, RenewRequest)
+        sb.info.expires_at = time.time() + (r.ttl_s or sb.spec.ttl_s)
+        await self.placements.put(sb)
+        return SandboxReply(sandbox=sb.info)

@@ -1,0 +1,92 @@
+"""The node's writes of its sandboxes' placements (KV `corral-placements`, one key per sandbox).
+
+A KV put is a JetStream round trip, which a create's reply need not wait for (the scheduler
+records the placement from the reply): placements are written in the background, one writer
+task per sandbox chained after the previous one, so a sandbox's writes and finally its delete
+land in the order they were made. Whoever reads back or deletes waits for the writes in flight
+(`written`)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from corral_common import logs
+from corral_common.contract.messages import SandboxInfo, encoder
+
+from .claim import claim_placement
+from .substrates.base import Sandbox
+
+log = logging.getLogger("corral.node")
+
+
+class Placements:
+    def __init__(self, kv: KeyValue):
+        self.kv = kv
+        self.writes: dict[str, asyncio.Future] = {}  # writes in flight, per sandbox
+
+    def record(self, sb: Sandbox) -> None:
+        """Write the sandbox's placement in the background, after its earlier writes."""
+        prev = self.writes.get(sb.id)
+        data = encoder.encode(sb.info)
+
+        async def put() -> None:
+            if prev is not None:
+                await asyncio.gather(prev, return_exceptions=True)
+            try:
+                await self.kv.put(sb.id, data)
+            except Exception as e:
+                logs.kv(log, logging.WARNING, "placement not recorded", sandbox=sb.id, error=str(e))
+
+        t = asyncio.ensure_future(put())
+        self.writes[sb.id] = t
+        t.add_done_callback(lambda _: self.writes.get(sb.id) is t and self.writes.pop(sb.id, None))
+
+    async def written(self, sid: str) -> None:
+        t = self.writes.get(sid)
+        if t is not None:
+            await asyncio.gather(t, return_exceptions=True)
+
+    async def put(self, sb: Sandbox) -> None:
+        """Write the placement now (after the writes in flight) and wait for it: errors propagate."""
+        await self.written(sb.id)
+        await self.kv.put(sb.id, encoder.encode(sb.info))
+
+    async def delete(self, sid: str) -> None:
+        """Remove the placement (after the writes in flight); a failure is logged, not raised."""
+        await self.written(sid)
+        try:
+            await self.kv.delete(sid)
+        except Exception as e:
+            logs.kv(log, logging.WARNING, "placement not deleted", sandbox=sid, error=repr(e))
+
+    async def claim(self, info: SandboxInfo) -> str:
+        """claim.py: "" when the placement is this node's now, else the owner's name."""
+        return await claim_placement(self.kv, info)
+
+    async def owner(self, sid: str) -> str | None:
+        """The node the stored placement names ("" if unreadable), None when there is none."""
+        try:
+            e = await self.kv.get(sid)
+        except KeyNotFoundError:
+            return None
+        if e is None or not e.value:
+            return None
+        return _info_node(e.value)
+
+
+class _NodeOf(msgspec.Struct, forbid_unknown_fields=False):
+    node: str = ""
+
+
+_node_of = msgspec.json.Decoder(_NodeOf)
+
+
+def _info_node(data: bytes) -> str:
+    try:
+        return _node_of.decode(data).node
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""

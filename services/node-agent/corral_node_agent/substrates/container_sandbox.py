@@ -1,0 +1,120 @@
+"""What a `container` sandbox is on the host: its state (ContainerSandbox, and the record a
+restarted agent adopts it from), its root (overlayfs over the image's layers, the upper on a
+size-capped tmpfs) and the fds its init holds.
+
+A running sandbox keeps no mount in the host's mount table: the tmpfs and the overlay are
+mounted under the state dir only for `runc run`, then detached. Every new mount namespace
+copies the whole host table, so two host mounts per sandbox made each `runc run` slower with
+every sandbox alive (45 ms at 20 host mounts, 200 ms at 4,000). The agent still needs both
+filesystems (files.read/write, file audit, snapshots), also after a restart: corral-init holds
+private clones of them (open_tree) as fds INIT_RW_FD and INIT_ROOT_FD, which the agent (root)
+reaches as /proc/<init>/fd/N; init is non-dumpable, so nothing inside the sandbox can."""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import msgspec
+
+from corral_common import linux
+from corral_common.contract.messages import SandboxInfo, SandboxSpec
+
+from .. import cgroups, masks
+from .common import StayingSandbox
+
+#: what every exec's environment starts from (the spec's env and the request's go over it)
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm",
+}
+
+
+class Record(msgspec.Struct, kw_only=True):
+    """Persisted beside the bundle so a restarted agent can adopt or clean the sandbox."""
+
+    info: SandboxInfo
+    spec: SandboxSpec
+    init_pid: int
+    layers: list[str] = []
+
+
+#: the fds corral-init holds: 3 is its control socket, then the sandbox's tmpfs and its root
+INIT_RW_FD = 4
+INIT_ROOT_FD = 5
+#: and, handed over after start, its seccomp notify fd (ContainerSubstrate._hand_notify_fd)
+INIT_NOTIFY_FD = 6
+
+
+class ContainerSandbox(StayingSandbox):
+    """A runc container with corral-init as PID 1: its control socket, the layers it holds, and
+    its filesystems through the clones init keeps."""
+
+    cg: cgroups.Cgroups
+
+    def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups, init_pid: int, layers: list[str]):
+        super().__init__(info, spec, sdir, cg)
+        self.layers = layers
+        self.warm_id = ""  # the internal id it had in the warm pool, if it was claimed from there
+        self.unsettled = False  # claimed, and runc's state, config.json and the record still name warm_id
+        self.rebase(sdir)
+        self.init_pid = init_pid
+        # the sandbox's filesystems, through the clones its init holds (see the module docstring)
+        self.rootfs = f"/proc/{init_pid}/fd/{INIT_ROOT_FD}"
+        self.rw = f"/proc/{init_pid}/fd/{INIT_RW_FD}"
+        # protected paths covered by decoys in the container's mount namespace (masks.py)
+        self.masks: list[masks.Mask] = masks.load(f"{sdir}/masks")
+        try:
+            self.pidfd = os.pidfd_open(init_pid)
+        except OSError:
+            self.pidfd = None
+
+    def rebase(self, sdir: str) -> None:
+        self.sdir = sdir
+        self.ctl = f"{sdir}/ctl.sock"
+        self.io = f"{sdir}/io"
+
+
+def mount_root(sdir: str, lower: str, disk_mb: int) -> None:
+    """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs; `sdir/rootfs`:
+    the overlay of `lower` (image layers, ':'-separated) and that upper."""
+    linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={disk_mb}m,mode=755")
+    os.mkdir(f"{sdir}/rw/upper", 0o755)
+    os.mkdir(f"{sdir}/rw/work", 0o755)
+    # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
+    # to root for a host user who can reach the state dir. upper and work are given as
+    # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
+    # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
+    # claim renames it) must not show there. index=on,nfs_export=on make the overlay's file
+    # handles decodable, which fanotify needs to report its directory entry events
+    # (create/unlink/rename) with paths (audit_files.py); without them (a lower that cannot
+    # export handles) the overlay is mounted plain and file activity falls back to fd mode
+    up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
+    wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
+    try:
+        opts = f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}"
+        try:
+            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
+        except OSError:
+            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
+    finally:
+        os.close(up)
+        os.close(wk)
+
+
+def init_responsive(ctl: str, paused: bool) -> bool:
+    """Whether the init behind control socket `ctl` still listens (a frozen one cannot answer: its
+    socket existing is all that can be asked)."""
+    if paused:
+        return os.path.exists(ctl)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1)
+    try:
+        s.connect(ctl)
+        return True
+    except OSError as e:
+        return e.errno == errno.EAGAIN
+    finally:
+        s.close()

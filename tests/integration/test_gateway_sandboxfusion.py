@@ -1,0 +1,247 @@
+"""The SandboxFusion gateway against a real stack, driven by the unmodified `sandbox-fusion`
+client from PyPI (and, for the fields that client does not send, by a raw POST shaped like verl's
+sandbox_fusion reward sends it): results, failures, limits, files, bad input and 200 runs at once."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import time
+
+import aiohttp
+import msgspec
+import nats
+import pytest
+import pytest_asyncio
+import requests
+import sandbox_fusion
+from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping
+
+from corral_common.contract import labels, subjects
+from corral_common.contract.audit import AuditBatch
+from corral_sdk.stack import free_port
+
+from ..conftest import ensure_builtin_images, running_stack
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def gw():
+    await asyncio.to_thread(ensure_builtin_images)
+    async with running_stack(nodes=1, gateway_port=0, monitor=False, env_builder=False) as s:
+        yield s
+
+
+def run(gw, max_attempts: int = 1, **kw):
+    """One /run_code through the client, off the event loop (the client is synchronous);
+    max_attempts=1: the client's retries would hide a failed answer."""
+    return asyncio.to_thread(sandbox_fusion.run_code, RunCodeRequest(**kw), endpoint=gw.gateway_url, max_attempts=max_attempts)
+
+
+def post(gw, body: dict | bytes, path: str = "/run_code") -> requests.Response:
+    """As verl's sandbox_fusion reward posts: a JSON body to the full /run_code URL."""
+    data = body if isinstance(body, bytes) else json.dumps(body)
+    return asyncio.to_thread(requests.post, gw.gateway_url + path, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+async def test_ping_and_languages(gw):
+    r = await asyncio.to_thread(requests.get, gw.gateway_url + "/v1/ping", timeout=10)
+    assert r.status_code == 200 and r.json() == "pong"
+    r = await asyncio.to_thread(requests.get, gw.gateway_url + "/v1/languages", timeout=10)
+    assert r.json()["languages"] == ["bash", "pytest", "python"]
+
+
+async def test_success_with_stdin(gw):
+    r = await run(gw, code="import sys\nprint(sys.stdin.read().upper(), end='')\nprint('err', file=sys.stderr)",
+                  language="python", stdin="hello corral")
+    assert r.status == RunStatus.Success, r
+    assert r.compile_result is None  # python has no compile step, as in SandboxFusion
+    assert r.run_result.status == "Finished" and r.run_result.return_code == 0
+    assert r.run_result.stdout == "HELLO CORRAL" and r.run_result.stderr == "err\n"
+    assert r.run_result.execution_time > 0
+    node, sid = r.executor_pod_name.split("/")
+    assert node == "node-1" and sid
+    assert sandbox_fusion.summary_run_code_result(r, SummaryMapping()) == "Success"
+
+
+async def test_syntax_error_is_a_failed_run(gw):
+    """SandboxFusion runs python without a compile step: a SyntaxError is a run that exits 1."""
+    r = await run(gw, code="def f(:\n    pass\n", language="python")
+    assert r.status == RunStatus.Failed
+    assert r.compile_result is None
+    assert r.run_result.status == "Finished" and r.run_result.return_code == 1
+    assert "SyntaxError" in r.run_result.stderr
+    assert sandbox_fusion.summary_run_code_result(r, SummaryMapping(RunFailed="run-failed")) == "run-failed"
+
+
+async def test_runtime_error(gw):
+    r = await run(gw, code="print('before')\nraise ValueError('boom')\n", language="python")
+    assert r.status == RunStatus.Failed
+    assert r.run_result.return_code == 1 and r.run_result.stdout == "before\n"
+    assert "ValueError: boom" in r.run_result.stderr
+
+
+async def test_timeout(gw):
+    t0 = time.monotonic()
+    r = await run(gw, code="import time\nprint('started', flush=True)\ntime.sleep(60)\n", language="python", run_timeout=1.5)
+    assert time.monotonic() - t0 < 30
+    assert r.status == RunStatus.Failed
+    assert r.run_result.status == "TimeLimitExceeded" and r.run_result.return_code is None
+    assert r.run_result.stdout == "started\n"
+    assert sandbox_fusion.summary_run_code_result(r, SummaryMapping(RunTimeout="tle")) == "tle"
+
+
+async def test_memory_limit(gw):
+    """memory_limit_MB (sent by verl; this client version does not know the field) is the sandbox's
+    memory: 300 MB written into 64 MB is killed, the same program with 1024 MB is not."""
+    code = "x = b'x' * (300 * 1024 * 1024)\nprint(len(x))\n"
+    r = await post(gw, {"code": code, "language": "python", "memory_limit_MB": 64, "run_timeout": 20, "compile_timeout": 10,
+                        "stdin": None, "files": {}, "fetch_files": []})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "Failed"
+    assert body["run_result"]["status"] == "Finished" and body["run_result"]["return_code"] == -9  # SIGKILL, as subprocess reports it
+    assert "out of memory" in body["run_result"]["stderr"]
+    r = await post(gw, {"code": code, "language": "python", "memory_limit_MB": 1024, "run_timeout": 20})
+    assert r.json()["status"] == "Success", r.text
+    assert r.json()["run_result"]["stdout"] == f"{300 * 1024 * 1024}\n"
+    own, bus = (float(part.split("dur=")[1]) for part in r.headers["Server-Timing"].split(", "))  # gateway;dur=X, bus;dur=Y
+    assert 0 < own < bus
+
+
+async def test_bash_and_pytest(gw):
+    r = await run(gw, code="echo $((6 * 7))\nread line\necho \"got $line\"\n", language="bash", stdin="x\n")
+    assert r.status == RunStatus.Success and r.run_result.stdout == "42\ngot x\n"
+    tests = "def test_ok():\n    assert 1 + 1 == 2\n\ndef test_bad():\n    assert 1 + 1 == 3\n"
+    r = await run(gw, code=tests, language="pytest")
+    assert r.status == RunStatus.Failed and r.run_result.return_code == 1
+    assert "1 failed, 1 passed" in r.run_result.stdout
+    r = await post(gw, {"code": tests, "language": "pytest", "args": ["-k", "test_ok"]})  # SandboxFusion's pytest args
+    assert r.json()["status"] == "Success" and "1 passed, 1 deselected" in r.json()["run_result"]["stdout"]
+
+
+async def test_files_in_and_out(gw):
+    code = ("import json\n"
+            "data = open('data/in.json').read()\n"
+            "open('out.txt', 'w').write(data.upper())\n"
+            "open('/tmp/abs.txt', 'w').write('absolute')\n"
+            "print(json.loads(open('data/in.json').read())['k'], open('/etc/motd2').read())\n")
+    files = {"data/in.json": b64('{"k": "v"}'), "/etc/motd2": b64("abs in"), "skipped.txt": None}
+    r = await run(gw, code=code, language="python", files=files, fetch_files=["out.txt", "/tmp/abs.txt", "missing.txt", "data"])
+    assert r.status == RunStatus.Success, r
+    assert r.run_result.stdout == "v abs in\n"
+    # what was written comes back; what does not exist (or is a directory) is left out, as SandboxFusion does
+    assert r.files == {"out.txt": b64('{"K": "V"}'), "/tmp/abs.txt": b64("absolute")}
+    # files in without fetch_files: the function path
+    r = await run(gw, code="print(open('a b/c.txt').read())", language="python", files={"a b/c.txt": b64("spaces ok")})
+    assert r.status == RunStatus.Success and r.run_result.stdout == "spaces ok\n" and r.executor_pod_name.split("/")[1].startswith("fn-")
+    # large code and files travel in chunks (each environment string is capped at 128 KiB)
+    big = "y" * 300_000
+    r = await run(gw, code=f"s = '{'é' * 40_000}'\nprint(len(s), len(open('big').read()))", language="python", files={"big": b64(big)})
+    assert r.status == RunStatus.Success and r.run_result.stdout == "40000 300000\n", r
+
+
+async def test_bad_requests_are_4xx(gw):
+    async def refused(body, status: int, code: str, words: str, path: str = "/run_code"):
+        r = await post(gw, body, path)
+        assert r.status_code == status, r.text
+        e = r.json()
+        assert e["status"] == "SandboxError" and e["error"]["code"] == code and words in e["message"], e
+
+    await refused({"code": "int main(){}", "language": "cpp"}, 400, "invalid_request", "supported: bash, pytest, python")
+    await refused(b"{not json", 400, "invalid_request", "JSON")
+    await refused({"language": "python"}, 400, "invalid_request", "code")
+    await refused({"code": "print(1)", "language": "python", "run_timeout": -1}, 400, "invalid_request", "run_timeout")
+    await refused({"code": "print(1)", "language": "python", "run_timeout": "soon"}, 400, "invalid_request", "run_timeout")
+    await refused({"code": "print(1)", "language": "python", "files": {"a": "%%%"}}, 400, "invalid_request", "base64")
+    await refused({"code": "print(1)", "language": "python", "files": {"": b64("x")}}, 400, "invalid_request", "path")
+    await refused({"code": "print(1)", "language": "python", "memory_limit_MB": 4}, 400, "invalid_request", "memory_limit_MB")
+    await refused({"code": "print(1)", "language": "python", "files": {"f": b64("z" * 2_000_000)}}, 413, "invalid_request", "at most")
+    await refused({"code": "print(1)", "language": "python"}, 404, "not_found", "/nope", path="/nope")
+    await refused({"cells": ["1"]}, 501, "invalid_request", "run_code", path="/run_jupyter")
+    r = await asyncio.to_thread(requests.get, gw.gateway_url + "/run_code", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "invalid_request"
+    # the unmodified client sees the refusal as its error, with the message
+    with pytest.raises(Exception, match="400.*not supported"):
+        await run(gw, code="x", language="go")
+
+
+async def test_corral_errors_keep_their_code(gw, tmp_path):
+    """A gateway whose image does not exist answers not_found as 404; a run no node has room for
+    answers capacity as 429 with Retry-After: the original code and message in the body."""
+    port = free_port()
+    log = open(tmp_path / "gw2.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "corral_gateway", "--nats", gw.url, "--port", str(port), "--image", "no-such-image",
+                          "--capacity-wait-s", "0"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                await asyncio.to_thread(requests.get, url + "/v1/ping", timeout=1)
+                break
+            except requests.ConnectionError:
+                await asyncio.sleep(0.1)
+        r = await asyncio.to_thread(requests.post, url + "/run_code", json={"code": "print(1)", "language": "python"}, timeout=60)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "not_found" and "no-such-image" in r.json()["error"]["message"]
+        r = await asyncio.to_thread(requests.post, url + "/run_code", timeout=60,
+                                    json={"code": "print(1)", "language": "python", "memory_limit_MB": 1_000_000})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "capacity" and int(r.headers["Retry-After"]) >= 1
+    finally:
+        p.terminate()
+        p.wait(30)
+        log.close()
+
+
+async def test_runs_are_audited(gw):
+    """A gateway run is an audited exec like any other, labelled with the adapter it came through."""
+    r = await run(gw, code="print('audited')", language="python")
+    node, sid = r.executor_pod_name.split("/")
+    nc = await nats.connect(gw.url)
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(subjects.audit(node, sid), ordered_consumer=True)
+        execs = []
+        deadline = time.monotonic() + 15
+        while not execs and time.monotonic() < deadline:
+            try:
+                m = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # nats' TimeoutError: nothing (more) stored
+                break
+            execs += [e for e in msgspec.json.decode(m.data, type=AuditBatch).events if e.kind == "exec"]
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    assert execs, f"no exec audit event for {sid}"
+    assert execs[0].labels.get(labels.ADAPTER) == "sandbox-fusion" and execs[0].job == "sandbox-fusion"
+    assert execs[0].exit_code == 0
+
+
+async def test_200_concurrent_requests(gw):
+    """200 runs at once through the async client, each answered with its own result."""
+    async def one(i: int):
+        return await sandbox_fusion.run_code_async(RunCodeRequest(code=f"import sys\nprint({i} * {i}, sys.stdin.read())", language="python",
+                                                                  stdin=f"in{i}", run_timeout=60), endpoint=gw.gateway_url,
+                                                   max_attempts=1, client_timeout=300)
+
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
+    took = time.monotonic() - t0
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"{len(errors)} of 200 failed, first: {errors[0]!r}"
+    wrong = [(i, r.run_result.stdout) for i, r in enumerate(results) if r.status != RunStatus.Success or r.run_result.stdout != f"{i * i} in{i}\n"]
+    assert not wrong, wrong[:5]
+    pods = {r.executor_pod_name for r in results}
+    assert len(pods) == 200  # a fresh sandbox each
+    print(f"200 concurrent runs in {took:.1f}s")
+    async with aiohttp.ClientSession() as s, s.get(gw.gateway_url + "/metrics") as m:
+        text = await m.text()
+    assert 'corral_gateway_requests_total{language="python",outcome="Success",route="/run_code"}' in text
