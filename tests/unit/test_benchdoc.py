@@ -169,3 +169,18 @@ def test_run_all_fails_a_module_that_leaves_no_stamped_result(tmp_path):
     assert "not rewritten" in run_all.unstamped(str(path), path.stat().st_mtime + 10)
     _common.save(str(tmp_path), "x", {}, None, [], echo=False)
     assert run_all.unstamped(str(path), 0) == ""
+
+
+def test_check_ignores_ageing_past_the_stale_limit(tmp_path):
+    """A commit elsewhere in the tree ages every result; the check must not turn red for that alone,
+    while a changed number still does."""
+    bd = _benchdoc()
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(bd.DOC.read_text(encoding="utf-8"), encoding="utf-8")
+    assert bd.main(["--doc", str(doc), "--max-age", "0"]) == 0  # written with every result stale
+    assert "**stale**" in doc.read_text(encoding="utf-8")
+    assert bd.main(["--doc", str(doc), "--check"]) == 0  # default limit: fewer stale marks, same numbers
+    text = doc.read_text(encoding="utf-8")
+    i = text.index("**", text.index("<!-- generated:"))
+    doc.write_text(text[:i] + "**99999" + text[i + 2:], encoding="utf-8")
+    assert bd.main(["--doc", str(doc), "--check"]) == 1

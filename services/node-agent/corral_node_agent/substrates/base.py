@@ -68,7 +68,7 @@ class AdoptReport(msgspec.Struct, kw_only=True):
 class Substrate(abc.ABC):
     name: ClassVar[str]
     #: whether its sandboxes' denied syscalls can go to the agent's seccomp-notify listener
-    #: (audit_seccomp.py) to be answered and audited; if so the agent sets `seccomp_listener`
+    #: (audit/seccomp.py) to be answered and audited; if so the agent sets `seccomp_listener`
     #: and `seccomp_fds` before `start`, and hands adopted sandboxes' fds back (`take_notify_fd`)
     supports_seccomp_notify: ClassVar[bool] = False
     #: the listener's socket path; None keeps denied syscalls SCMP_ACT_ERRNO, unaudited
@@ -195,7 +195,7 @@ class Substrate(abc.ABC):
 
     def audit_root(self, sb: Sandbox) -> str | None:
         """The host path of the sandbox's root filesystem mount, whose file activity the agent
-        audits (audit_files.py); None when there is none to watch."""
+        audits (audit/files.py); None when there is none to watch."""
         return sb.rootfs
 
     def watch_exit(self, sb: Sandbox, callback: Callable[[Sandbox], None]) -> None:

@@ -89,7 +89,7 @@ def mount_root(sdir: str, lower: str, disk_mb: int) -> None:
     # /proc/mounts, and the state dir's name (the sandbox id, or a warm-pool id before a
     # claim renames it) must not show there. index=on,nfs_export=on make the overlay's file
     # handles decodable, which fanotify needs to report its directory entry events
-    # (create/unlink/rename) with paths (audit_files.py); without them (a lower that cannot
+    # (create/unlink/rename) with paths (audit/files.py); without them (a lower that cannot
     # export handles) the overlay is mounted plain and file activity falls back to fd mode
     up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
     wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)

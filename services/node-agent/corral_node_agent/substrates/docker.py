@@ -194,7 +194,7 @@ class DockerSubstrate(Substrate):
     def audit_root(self, sb: Sandbox) -> str | None:
         """Docker's overlay2 merged dir (its own overlay superblock per container). Docker mounts it
         without nfs_export, so fanotify watches it in fd mode: opens, writes, execs with paths, but
-        no create/unlink/rename events (audit_files.py)."""
+        no create/unlink/rename events (audit/files.py)."""
         assert isinstance(sb, DockerSandbox)
         return sb.merged if sb.merged and os.path.ismount(sb.merged) else None
 
