@@ -23,14 +23,32 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
-from corral_common import metrics
-from corral_common.contract.errors import Code, Conflict, CorralError
-from corral_common.contract.messages import encoder
+from corral_common import bus, metrics
+from corral_common.contract import subjects
+from corral_common.contract.errors import Code, Conflict, CorralError, InvalidRequest, Unavailable, from_code
+from corral_common.contract.messages import ErrorBody, NodeRun, RunRequest, SandboxSpec, encoder
+
+from . import placement
+from .counters import PLACEMENTS, REJECTIONS
+from .registry import Policy, Registry
 
 REPLAYS = metrics.counter("corral_scheduler_run_replays_total", "Runs answered from an earlier attempt with the same request_id", ())
 UNKNOWN_OUTCOME_GRACE_S = 5.0
+RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
+
+
+class _Failed(msgspec.Struct):
+    error: ErrorBody | None = None
+
+
+_failed_decoder = msgspec.json.Decoder(_Failed)
 
 
 class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -158,3 +176,64 @@ class RunOnce:
                                   f"is unknown (the command may have run), so it is not run again", Code.TIMEOUT)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+class Runs:
+    """`corral.v1.sandbox.run`: place a one-shot call on a node offering its substrate (spread,
+    like create; the next candidate on `capacity`/`unavailable`) and relay the node's answer
+    `{"ok", "result", "sandbox_id", "node"}`. No sandbox is recorded: it is gone when the reply
+    arrives. With `spec.request_id` the call runs at most once (RunOnce): a retry gets the first
+    attempt's reply, marked `replayed`."""
+
+    def __init__(self, nc: NATS, kv_requests: KeyValue, registry: Registry, policy: Policy):
+        self.nc = nc
+        self.registry = registry
+        self.policy = policy
+        self.once = RunOnce(kv_requests)
+
+    async def on_run(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, RunRequest)
+        spec = req.spec.to_spec()
+        placement.check_substrate(self.registry, spec, one_shot=True)
+        if isinstance(req.exec.cmd, str) and not req.exec.cmd.strip():
+            raise InvalidRequest("exec.cmd is empty")
+        if req.exec.stream or req.exec.session or req.exec.trajectory:
+            raise InvalidRequest("a one-shot run answers with one message and keeps nothing: exec.stream, exec.session "
+                                 "and exec.trajectory need a sandbox (create one, then exec)")
+        if not spec.request_id:
+            try:
+                return await self._run(spec, req)
+            except BeforeRun as e:
+                raise e.err from None
+        return await self.once.run(spec.request_id, req, req.exec.timeout_s + RUN_SLACK_S, lambda: self._run(spec, req))
+
+    async def _run(self, spec: SandboxSpec, req: RunRequest) -> bytes:
+        """The node's reply to the run; BeforeRun for errors that leave nothing to keep (no room,
+        a node's error reply), a plain `timeout` when a node took the call and never answered."""
+        alive = self.registry.alive()
+        data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
+        tried: list[str] = []
+        last: CorralError | None = None
+        wait_s = req.exec.timeout_s + RUN_SLACK_S
+        for st, res in placement.attempts(alive, spec, self.policy):
+            tried.append(st.hb.node)
+            try:
+                resp = await self.nc.request(subjects.node_run(st.hb.node), data, timeout=wait_s)
+            except NoRespondersError:
+                last = Unavailable(f"node {st.hb.node} is not answering")
+                continue
+            except NatsTimeout:
+                raise CorralError(f"node {st.hb.node} did not answer the run within {wait_s:g}s", Code.TIMEOUT) from None
+            finally:
+                st.reservations.remove(res)
+            if resp.data.startswith(b'{"ok":true'):
+                PLACEMENTS.labels(st.hb.node).inc()
+                return resp.data
+            err = _failed_decoder.decode(resp.data).error or ErrorBody(code="internal", message="node refused")
+            e = from_code(err.code, err.message, err.retry_after_s)
+            if e.code in (Code.CAPACITY, Code.UNAVAILABLE):
+                last = e
+                continue
+            REJECTIONS.labels(e.code.value).inc()
+            raise BeforeRun(e)
+        raise BeforeRun(placement.no_room("a run", spec, alive, self.policy, tried, last, retry_after_s=0.5))
