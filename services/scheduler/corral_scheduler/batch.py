@@ -26,21 +26,20 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from corral_common import bus, logs
-from corral_common.contract import subjects
+from corral_common.contract import envelope, subjects
+from corral_common.contract.envelope import ErrorBody
 from corral_common.contract.errors import Capacity, Code, Conflict, CorralError, NotFound, Unavailable, from_code
 from corral_common.contract.messages import (
     BatchProgress,
     CreateBatchRequest,
-    ErrorBody,
     NodeCreate,
     NodeCreateBatch,
-    NodeItemResult,
     SandboxInfo,
     SandboxSpec,
     encoder,
     new_id,
-    ok,
 )
+from corral_common.contract.replies import BatchFailure, CreateBatchReply, NodeBatchReply
 
 from . import placement
 from .counters import BATCH_SECONDS, PLACEMENTS, REJECTIONS
@@ -147,29 +146,33 @@ def plan(nodes: list[NodeState], spec: SandboxSpec, count: int, policy: Policy) 
     return [(room[i][0], g) for i, g in enumerate(given) if g]
 
 
-def reply(batch_id: str, made: list[SandboxInfo], failed: list[dict], limit: int) -> bytes:
-    """The create_batch reply, cut to the bus's payload limit: a reply that does not fit is never
-    delivered, so when every SandboxInfo does not fit (tens of thousands of sandboxes with long
-    labels), the reply keeps every failure and as many sandboxes as fit, and says how many it left
-    out (`truncated`); those are listed by `corral.v1.sandbox.list` (by job or labels)."""
-    body = ok(batch_id=batch_id, sandboxes=made, failed=failed)
-    if len(body) <= limit or not made:
-        return body
-    per = (len(body) - len(ok(batch_id=batch_id, sandboxes=[], failed=failed))) / len(made)
-    n = max(0, int((limit - (len(body) - per * len(made)) - 64) / per))
+def reply(batch_id: str, made: list[SandboxInfo], failed: list[BatchFailure], limit: int) -> bytes:
+    """The create_batch reply (encoded: its size decides what goes in), cut to the bus's payload
+    limit: a reply that does not fit is never delivered, so when every SandboxInfo does not fit
+    (tens of thousands of sandboxes with long labels), the reply keeps every failure and as many
+    sandboxes as fit, and says how many it left out (`truncated`); those are listed by
+    `corral.v1.sandbox.list` (by job or labels)."""
+    def body(sandboxes: list[SandboxInfo], failures: list[BatchFailure], truncated: int = 0) -> bytes:
+        return envelope.encode(CreateBatchReply(batch_id=batch_id, sandboxes=sandboxes, failed=failures, truncated=truncated))
+
+    whole = body(made, failed)
+    if len(whole) <= limit or not made:
+        return whole
+    per = (len(whole) - len(body([], failed))) / len(made)
+    n = max(0, int((limit - (len(whole) - per * len(made)) - 64) / per))
     while n > 0:
-        body = ok(batch_id=batch_id, sandboxes=made[:n], failed=failed, truncated=len(made) - n)
-        if len(body) <= limit:
-            return body
+        cut = body(made[:n], failed, len(made) - n)
+        if len(cut) <= limit:
+            return cut
         n = int(n * 0.95)
-    return ok(batch_id=batch_id, sandboxes=[], failed=failed[: max(0, limit // 200)], truncated=len(made))
+    return body([], failed[: max(0, limit // 200)], len(made))
 
 
 class Progress:
     """Publishes `corral.events.batch.<id>.progress` every `every` items or `interval_s` seconds
     (whichever comes first, only when something changed) and `.done` once at the end."""
 
-    def __init__(self, nc, batch_id: str, total: int, job: str = "", request_id: str = "",
+    def __init__(self, nc: NATS, batch_id: str, total: int, job: str = "", request_id: str = "",
                  every: int | None = None, interval_s: float = 1.0):
         self.nc = nc
         self.batch_id = batch_id
@@ -182,7 +185,7 @@ class Progress:
         self.failed = 0
         self._sent = -1  # placed + failed at the last event
         self._sent_at = time.monotonic()
-        self._ticker: asyncio.Task | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self.events = 0
 
     def start(self) -> None:
@@ -218,14 +221,6 @@ class Progress:
         await self._publish("done")
 
 
-class _BatchReply(msgspec.Struct):
-    ok: bool
-    results: list[NodeItemResult] | None = None
-    error: ErrorBody | None = None
-    counted_at: float | None = None  # from then on (node clock) the node's heartbeats count what it made
-
-
-_batch_reply_decoder = msgspec.json.Decoder(_BatchReply)
 Item = tuple[int, str]  # (index in the batch, sandbox id)
 
 
@@ -296,18 +291,18 @@ class Batches:
             await progress.done()
         BATCH_SECONDS.observe(time.perf_counter() - t0)
         made = [r for r in results if isinstance(r, SandboxInfo)]
-        failed = [{"index": i, "code": r.code.value, "message": r.message} for i, r in enumerate(results) if isinstance(r, CorralError)]
+        failed = [BatchFailure(index=i, code=r.code.value, message=r.message) for i, r in enumerate(results) if isinstance(r, CorralError)]
         if rid:
             try:
                 await self.kv_requests.put(record_key(rid), msgspec.json.encode(
-                    BatchRecord(count=req.count, failed=[f["index"] for f in failed], digest=digest)))
+                    BatchRecord(count=req.count, failed=[f.index for f in failed], digest=digest)))
             except Exception:
                 log.warning("batch record not written", extra={"fields": {"batch_id": batch_id}})
         logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
                 seconds=round(time.perf_counter() - t0, 3))
         if not made:
             first = failed[0]
-            raise from_code(first["code"], f"none of the {req.count} sandboxes could be created: {first['message']}")
+            raise from_code(first.code, f"none of the {req.count} sandboxes could be created: {first.message}")
         return reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
 
     async def _start_record(self, rid: str, count: int, digest: str, spec: SandboxSpec) -> None:
@@ -418,7 +413,8 @@ class _Placing:
                 self._resolve(i, self.last.get(i, err))
             await self.progress.add(failed=len(overflow))
         retry: list[Item] = []
-        reqs, sent = [], []
+        reqs: list[tuple[str, bytes, dict[str, str] | None]] = []
+        sent: list[tuple[NodeState, list[Item], Reservation]] = []
         rid = spec.request_id
         for st, chunk in groups:
             k = len(chunk)
@@ -441,7 +437,7 @@ class _Placing:
         spec = self.spec
         node, k = st.hb.node, len(chunk)
         whole: CorralError | None = None
-        reply: _BatchReply | None = None
+        reply: NodeBatchReply | None = None
         if msg is None:
             # the node may still make them: with a request_id a retry of the batch finds them
             whole = CorralError(f"node {node} did not answer within {timeout:g}s", Code.TIMEOUT)
@@ -449,13 +445,12 @@ class _Placing:
             whole = Unavailable(f"node {node} is not answering")
         else:
             try:
-                reply = _batch_reply_decoder.decode(msg.data)
-                if not reply.ok or reply.results is None or len(reply.results) != k:
-                    err = reply.error or ErrorBody(code="internal", message=f"node {node} answered a batch of {k} with "
-                                                                             f"{len(reply.results or [])} results")
-                    whole = from_code(err.code, err.message, err.retry_after_s)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                whole = CorralError(f"node {node} sent a malformed batch reply: {e}", Code.INTERNAL)
+                reply = envelope.decode_reply(msg.data, NodeBatchReply)
+            except CorralError as e:  # the node's error, or `internal` naming what did not match
+                whole = e
+            else:
+                if len(reply.results) != k:
+                    whole = CorralError(f"node {node} answered a batch of {k} with {len(reply.results)} results", Code.INTERNAL)
         if whole is not None:
             st.reservations.remove(res)
             if whole.code in (Code.CAPACITY, Code.UNAVAILABLE):
@@ -468,7 +463,7 @@ class _Placing:
                 self._resolve(i, whole)
             await self.progress.add(failed=k)
             return []
-        assert reply is not None and reply.results is not None
+        assert reply is not None
         made = failed = 0
         retry: list[Item] = []
         for (i, sid), r in zip(chunk, reply.results):
@@ -477,8 +472,8 @@ class _Placing:
                 self._resolve(i, r.sandbox)
                 made += 1
                 continue
-            e = r.error or ErrorBody(code="internal", message="node gave no reason")
-            err = from_code(e.code, e.message, e.retry_after_s)
+            why = r.error or ErrorBody(code="internal", message="node gave no reason")
+            err = from_code(why.code, why.message, why.retry_after_s)
             if err.code == Code.CONFLICT:  # another attempt of this batch made it elsewhere
                 info = await self.b.placements.lookup(sid)
                 if info is not None:

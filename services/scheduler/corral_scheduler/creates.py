@@ -12,7 +12,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -22,8 +21,10 @@ from nats.js.kv import KeyValue
 
 from corral_common import bus, logs
 from corral_common.contract import subjects
-from corral_common.contract.errors import Code, CorralError, Unavailable, from_code
-from corral_common.contract.messages import NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id, ok
+from corral_common.contract.envelope import decode_reply
+from corral_common.contract.errors import Code, CorralError, Unavailable
+from corral_common.contract.messages import NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id
+from corral_common.contract.replies import NodeCreateReply, SandboxReply
 
 from . import placement
 from .counters import PLACEMENTS, REJECTIONS
@@ -42,17 +43,6 @@ class Placed:
     replied: bool = False
 
 
-class _Reply(msgspec.Struct):
-    ok: bool
-    sandbox: SandboxInfo | None = None
-    error: dict | None = None
-    replied: bool = False  # the node answered the client itself (NodeCreate.reply_to)
-    counted_at: float | None = None  # from then on (node clock) the node's heartbeats count it
-
-
-_reply_decoder = msgspec.json.Decoder(_Reply)
-
-
 class Creates:
     def __init__(self, nc: NATS, kv_requests: KeyValue, registry: Registry, policy: Policy, placements: Placements,
                  admission: Admission, node_timeout_s: float):
@@ -64,10 +54,10 @@ class Creates:
         self.admission = admission
         self.node_timeout_s = node_timeout_s
 
-    async def on_create(self, msg: Msg) -> bytes | None:
+    async def on_create(self, msg: Msg) -> SandboxReply | None:
         spec = bus.decode(msg.data, SandboxSpec)
         placed = await self.create(spec, reply_to=msg.reply or "")
-        return None if placed.replied else ok(sandbox=placed.info)
+        return None if placed.replied else SandboxReply(sandbox=placed.info)
 
     async def create(self, spec: SandboxSpec, reply_to: str = "") -> Placed:
         """Place one sandbox. With `reply_to`, the node that makes it may answer there itself."""
@@ -147,7 +137,6 @@ class Creates:
                 st.reservations.remove(res)
                 raise
             info = r.sandbox
-            assert info is not None
             st.settle(res, r.counted_at if r.counted_at is not None else info.created_at)
             PLACEMENTS.labels(st.hb.node).inc()
             self.placements.set(info)
@@ -168,8 +157,8 @@ class Creates:
         PLACEMENTS.labels(info.node).inc()
         return info
 
-    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec, reply_to: str) -> _Reply:
-        """The node's success reply to a create (its `sandbox` set), or its error raised."""
+    async def _ask_node(self, node: str, sid: str, spec: SandboxSpec, reply_to: str) -> NodeCreateReply:
+        """The node's success reply to a create, or its error raised."""
         data = encoder.encode(NodeCreate(sandbox_id=sid, spec=spec, reply_to=reply_to))
         try:
             resp = await self.nc.request(subjects.node_create(node), data, timeout=self.node_timeout_s)
@@ -177,8 +166,4 @@ class Creates:
             raise Unavailable(f"node {node} is not answering") from None
         except NatsTimeout:
             raise CorralError(f"node {node} did not answer within {self.node_timeout_s:g}s", Code.TIMEOUT) from None
-        r = _reply_decoder.decode(resp.data)
-        if not r.ok or r.sandbox is None:
-            err = r.error or {}
-            raise from_code(err.get("code", "internal"), err.get("message", "node refused"), err.get("retry_after_s"))
-        return r
+        return decode_reply(resp.data, NodeCreateReply)

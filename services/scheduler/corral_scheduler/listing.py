@@ -9,7 +9,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from corral_common import bus
-from corral_common.contract.messages import ListRequest, error, ok
+from corral_common.contract.envelope import error
+from corral_common.contract.messages import ListRequest
+from corral_common.contract.replies import SandboxListReply
 
 from .placements import Placements
 from .registry import Registry
@@ -23,7 +25,7 @@ class Listing:
         self.node_timeout_s = node_timeout_s
         self.stale_after_s = stale_after_s
 
-    async def on_list(self, msg: Msg) -> bytes:
+    async def on_list(self, msg: Msg) -> SandboxListReply:
         req = bus.decode(msg.data, ListRequest)
         out = []
         for info in self.placements.placed.values():
@@ -35,7 +37,7 @@ class Listing:
                 continue
             out.append(info)
         out.sort(key=lambda i: i.created_at)
-        return ok(sandboxes=out)
+        return SandboxListReply(sandboxes=out)
 
     async def on_orphan(self, msg: Msg) -> None:
         """A call on `corral.v1.sandbox.<id>.*`, heard by every replica's queue group: answer

@@ -44,8 +44,10 @@ class Nodes:
         for k in keys:
             try:
                 e = await self.kv.get(k)
+                if e is None or not e.value:
+                    continue
                 hb = msgspec.json.decode(e.value, type=Heartbeat)
-            except Exception:
+            except Exception:  # a node's entry deleted meanwhile, or unreadable: its next heartbeat counts
                 continue
             if time.time() - hb.ts < self.stale_after_s:
                 self.registry.heartbeat(hb)
@@ -105,4 +107,5 @@ class Nodes:
                 await self.placements.delete(info.id)
             except Exception as e:
                 logs.kv(log, logging.WARNING, "placement not deleted", sandbox=info.id, error=repr(e))
-        await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode({"node": node, "sandboxes": [v.id for v in victims]}))
+        await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode(
+            Event(kind="lost", ts=time.time(), node=node, reason="stopped heartbeating", detail={"sandboxes": [v.id for v in victims]})))

@@ -29,7 +29,7 @@ class Placements:
         # creates this replica is placing (set when the node's answer is recorded): the node may
         # have answered the client directly, whose next call must not be answered `not_found`
         self.placing: dict[str, asyncio.Event] = {}
-        self.watcher = None
+        self.watcher: KeyValue.KeyWatcher | None = None
 
     def get(self, sid: str) -> SandboxInfo | None:
         return self.placed.get(sid)

@@ -96,7 +96,7 @@ class Admission:
         self.fair_share_below_free = fair_share_below_free
         self.quotas: dict[str, JobQuota] = {}
         self.pending: dict[str, Usage] = {}
-        self.watcher = None
+        self.watcher: KeyValue.KeyWatcher | None = None
 
     async def start(self) -> None:
         self.watcher = await self.kv.watchall()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 
@@ -47,7 +49,7 @@ class Scheduler:
         self.cfg = cfg
         self.registry = Registry(cfg.stale_after_s)
         self.policy = Policy(cpu_overcommit=cfg.cpu_overcommit, hot_cpu=cfg.hot_cpu, memory_headroom=cfg.memory_headroom)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
@@ -98,7 +100,7 @@ class Scheduler:
         await nc.drain()
         logs.kv(log, logging.INFO, "scheduler stopped")
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.create_task(coro)
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
