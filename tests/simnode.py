@@ -113,6 +113,10 @@ class SimNode:
             return
         info = self._info(req, time.time())
         self.add(info)
+        # from here on its heartbeats count it (no await in between, as in the node-agent): taken
+        # after the claim's round trip, a heartbeat sent during it counted the sandbox and the
+        # scheduler's reservation for it both, and a full node refused a create it had room for
+        counted_at = time.time()
         if self.kv is not None:
             (done,) = await self._claim([info])
             if done is not None:
@@ -124,7 +128,6 @@ class SimNode:
                     await msg.respond(error("unavailable", f"placement not recorded: {done}"))
                 return
         self.created += 1
-        counted_at = time.time()
         if self.beat_on_create:
             await self.heartbeat()
         if self.late is not None:

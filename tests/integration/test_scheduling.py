@@ -148,8 +148,9 @@ async def test_lost_node_is_reported_and_work_goes_elsewhere(bus):
     sid = (await create(nc, memory_mb=64, placement="pack"))["sandbox"]["id"]
     dying.beating = False
     live = await node("live", cpu=64.0, memory_mb=100_000)
+    # the node's event follows its sandboxes' events and placement deletes: wait for both
     for _ in range(100):
-        if any(s == subjects.event(sid, "lost") for s, _ in events):
+        if {subjects.event(sid, "lost"), subjects.node_event(dying.name, "lost")} <= {s for s, _ in events}:
             break
         await asyncio.sleep(0.1)
     assert any(s == subjects.node_event(dying.name, "lost") for s, _ in events)

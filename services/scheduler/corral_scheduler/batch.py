@@ -16,14 +16,38 @@ import asyncio
 import hashlib
 import heapq
 import json
+import logging
 import time
 
 import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
-from corral_common.contract import subjects
-from corral_common.contract.messages import BatchProgress, SandboxInfo, SandboxSpec, encoder, ok
+from corral_common import bus, logs
+from corral_common.contract import envelope, subjects
+from corral_common.contract.envelope import ErrorBody
+from corral_common.contract.errors import Capacity, Code, Conflict, CorralError, NotFound, Unavailable, from_code
+from corral_common.contract.messages import (
+    BatchProgress,
+    CreateBatchRequest,
+    NodeCreate,
+    NodeCreateBatch,
+    SandboxInfo,
+    SandboxSpec,
+    encoder,
+    new_id,
+)
+from corral_common.contract.replies import BatchFailure, CreateBatchReply, NodeBatchReply
 
-from .registry import NodeState, Policy
+from . import placement
+from .counters import BATCH_SECONDS, PLACEMENTS, REJECTIONS
+from .placements import Placements
+from .quotas import Admission
+from .registry import NodeState, Policy, Registry, Reservation
+
+log = logging.getLogger("corral.scheduler")
 
 NODE_BATCH_MAX = 256  # items per node request: bounds its size and its time on a real node
 SPREAD_QUANTUM = 0.01  # spread hands out items in steps of this share of a node's room
@@ -86,9 +110,7 @@ def plan(nodes: list[NodeState], spec: SandboxSpec, count: int, policy: Policy) 
     if not room or count <= 0:
         return []
     if spec.placement == "pack":
-        from .placement import free_share
-
-        room.sort(key=lambda p: free_share(p[0], policy))
+        room.sort(key=lambda p: placement.free_share(p[0], policy))
         out = []
         left = count
         for st, k in room:
@@ -124,29 +146,33 @@ def plan(nodes: list[NodeState], spec: SandboxSpec, count: int, policy: Policy) 
     return [(room[i][0], g) for i, g in enumerate(given) if g]
 
 
-def reply(batch_id: str, made: list[SandboxInfo], failed: list[dict], limit: int) -> bytes:
-    """The create_batch reply, cut to the bus's payload limit: a reply that does not fit is never
-    delivered, so when every SandboxInfo does not fit (tens of thousands of sandboxes with long
-    labels), the reply keeps every failure and as many sandboxes as fit, and says how many it left
-    out (`truncated`); those are listed by `corral.v1.sandbox.list` (by job or labels)."""
-    body = ok(batch_id=batch_id, sandboxes=made, failed=failed)
-    if len(body) <= limit or not made:
-        return body
-    per = (len(body) - len(ok(batch_id=batch_id, sandboxes=[], failed=failed))) / len(made)
-    n = max(0, int((limit - (len(body) - per * len(made)) - 64) / per))
+def reply(batch_id: str, made: list[SandboxInfo], failed: list[BatchFailure], limit: int) -> bytes:
+    """The create_batch reply (encoded: its size decides what goes in), cut to the bus's payload
+    limit: a reply that does not fit is never delivered, so when every SandboxInfo does not fit
+    (tens of thousands of sandboxes with long labels), the reply keeps every failure and as many
+    sandboxes as fit, and says how many it left out (`truncated`); those are listed by
+    `corral.v1.sandbox.list` (by job or labels)."""
+    def body(sandboxes: list[SandboxInfo], failures: list[BatchFailure], truncated: int = 0) -> bytes:
+        return envelope.encode(CreateBatchReply(batch_id=batch_id, sandboxes=sandboxes, failed=failures, truncated=truncated))
+
+    whole = body(made, failed)
+    if len(whole) <= limit or not made:
+        return whole
+    per = (len(whole) - len(body([], failed))) / len(made)
+    n = max(0, int((limit - (len(whole) - per * len(made)) - 64) / per))
     while n > 0:
-        body = ok(batch_id=batch_id, sandboxes=made[:n], failed=failed, truncated=len(made) - n)
-        if len(body) <= limit:
-            return body
+        cut = body(made[:n], failed, len(made) - n)
+        if len(cut) <= limit:
+            return cut
         n = int(n * 0.95)
-    return ok(batch_id=batch_id, sandboxes=[], failed=failed[: max(0, limit // 200)], truncated=len(made))
+    return body([], failed[: max(0, limit // 200)], len(made))
 
 
 class Progress:
     """Publishes `corral.events.batch.<id>.progress` every `every` items or `interval_s` seconds
     (whichever comes first, only when something changed) and `.done` once at the end."""
 
-    def __init__(self, nc, batch_id: str, total: int, job: str = "", request_id: str = "",
+    def __init__(self, nc: NATS, batch_id: str, total: int, job: str = "", request_id: str = "",
                  every: int | None = None, interval_s: float = 1.0):
         self.nc = nc
         self.batch_id = batch_id
@@ -159,7 +185,7 @@ class Progress:
         self.failed = 0
         self._sent = -1  # placed + failed at the last event
         self._sent_at = time.monotonic()
-        self._ticker: asyncio.Task | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self.events = 0
 
     def start(self) -> None:
@@ -193,3 +219,279 @@ class Progress:
         if self._ticker is not None:
             self._ticker.cancel()
         await self._publish("done")
+
+
+Item = tuple[int, str]  # (index in the batch, sandbox id)
+
+
+def check_same_batch(rid: str, record: BatchRecord, count: int, digest: str, spec: SandboxSpec) -> None:
+    """A request_id names one batch: the same count and spec on every retry."""
+    if record.count != count:
+        raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {count}: "
+                       f"use a new request_id for a different batch")
+    if record.digest and record.digest != digest:
+        raise Conflict(f"request_id {rid!r} was used for a batch of {record.count} with a different spec "
+                       f"(this one: {describe(spec)}): a retry must send the same spec; "
+                       f"use a new request_id for a different batch")
+
+
+class Batches:
+    """`corral.v1.sandbox.create_batch`: plan the batch, one request per node, partial success
+    per item, progress events, idempotent with `spec.request_id`."""
+
+    def __init__(self, nc: NATS, scatter: bus.Scatter, kv_requests: KeyValue, registry: Registry, policy: Policy,
+                 placements: Placements, admission: Admission, node_timeout_s: float):
+        self.nc = nc
+        self.scatter = scatter
+        self.kv_requests = kv_requests
+        self.registry = registry
+        self.policy = policy
+        self.placements = placements
+        self.admission = admission
+        self.node_timeout_s = node_timeout_s
+
+    async def on_create_batch(self, msg: Msg) -> bytes:
+        req = bus.decode(msg.data, CreateBatchRequest)
+        spec = req.spec
+        placement.check_substrate(self.registry, spec)
+        rid = spec.request_id
+        batch_id = req.batch_id or (default_batch_id(rid) if rid else new_id("batch"))
+        ids = [item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]
+        results: list[SandboxInfo | CorralError | None] = [None] * req.count
+        digest = spec_digest(spec) if rid else ""
+        record = await self._record(rid) if rid else None
+        if record is not None:
+            check_same_batch(rid, record, req.count, digest, spec)
+            if not record.done:
+                record = None  # an attempt that did not finish (its replica died) or is still running
+        failed_before = set(record.failed) if record is not None else set()
+        todo: list[Item] = []
+        for i, sid in enumerate(ids):
+            info = self.placements.get(sid)
+            if info is not None:
+                results[i] = info
+            elif record is not None and i not in failed_before:
+                results[i] = await self._gone_or_placed(sid, i)
+            else:
+                todo.append((i, sid))
+        if todo:
+            self._check_room(spec, len(todo))
+            if rid and record is None:
+                await self._start_record(rid, req.count, digest, spec)
+            self.admission.admit(spec, len(todo))
+        progress = Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid)
+        progress.placed = sum(1 for r in results if isinstance(r, SandboxInfo))
+        progress.failed = sum(1 for r in results if isinstance(r, CorralError))
+        progress.start()
+        t0 = time.perf_counter()
+        try:
+            if todo:
+                await _Placing(self, spec, results, progress).run(todo)
+        finally:
+            await progress.done()
+        BATCH_SECONDS.observe(time.perf_counter() - t0)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [BatchFailure(index=i, code=r.code.value, message=r.message) for i, r in enumerate(results) if isinstance(r, CorralError)]
+        if rid:
+            try:
+                await self.kv_requests.put(record_key(rid), msgspec.json.encode(
+                    BatchRecord(count=req.count, failed=[f.index for f in failed], digest=digest)))
+            except Exception:
+                log.warning("batch record not written", extra={"fields": {"batch_id": batch_id}})
+        logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
+                seconds=round(time.perf_counter() - t0, 3))
+        if not made:
+            first = failed[0]
+            raise from_code(first.code, f"none of the {req.count} sandboxes could be created: {first.message}")
+        return reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
+
+    async def _start_record(self, rid: str, count: int, digest: str, spec: SandboxSpec) -> None:
+        """Note the batch's count and spec digest before anything is made, so that a concurrent
+        attempt, or a retry after this replica died, with another spec is refused too."""
+        try:
+            await self.kv_requests.create(record_key(rid), msgspec.json.encode(BatchRecord(count=count, digest=digest, done=False)))
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as e:
+            if "wrong last sequence" not in str(e).lower() and "key exists" not in str(e).lower():
+                log.warning("batch record not written", extra={"fields": {"request_id": rid, "error": str(e)}})
+                return
+        other = await self._record(rid)  # another attempt wrote one first
+        if other is not None:
+            check_same_batch(rid, other, count, digest, spec)
+
+    async def _record(self, rid: str) -> BatchRecord | None:
+        try:
+            e = await self.kv_requests.get(record_key(rid))
+        except KeyNotFoundError:
+            return None
+        if e is None or not e.value:
+            return None
+        try:
+            return msgspec.json.decode(e.value, type=BatchRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def _gone_or_placed(self, sid: str, index: int) -> SandboxInfo | CorralError:
+        """An item an earlier attempt made that this replica does not see placed (yet)."""
+        info = await self.placements.lookup(sid)
+        if info is not None:
+            return info
+        return NotFound(f"item {index} (sandbox {sid}) was made by an earlier attempt of this batch and is gone "
+                        f"(destroyed, expired or its node lost); it is not made again")
+
+    def _check_room(self, spec: SandboxSpec, count: int) -> None:
+        """Refuse at once a batch the live nodes cannot hold, before anything is admitted or sent."""
+        alive = self.registry.alive()
+        usable = [s for s in alive if spec.substrate in s.hb.substrates and not s.hot(self.policy)]
+        free = [s.free(self.policy) for s in usable]
+        free_cpu = sum(max(0.0, f[0]) for f in free)
+        free_mem = sum(max(0, f[1]) for f in free)
+        free_n = sum(max(0, f[2]) for f in free)
+        if spec.cpu * count > free_cpu + 1e-9 or spec.memory_mb * count > free_mem or count > free_n:
+            REJECTIONS.labels("capacity").inc()
+            raise Capacity(
+                f"a batch of {count} x (cpu={spec.cpu:g}, memory_mb={spec.memory_mb}) does not fit: "
+                f"free {free_cpu:g} cpu, {free_mem} MiB, {free_n} slots across {len(alive)} node(s)", retry_after_s=5.0,
+            )
+
+
+class _Placing:
+    """One batch's items on their way to nodes, over up to three rounds: each round plans the
+    items left over the live nodes that have not refused for room, sends each node its share in
+    one request, and keeps what nodes refused for room for the next round. Every item ends as a
+    SandboxInfo or an error in `results`, and the job's pending admission is settled item by item."""
+
+    ROUNDS = 3
+
+    def __init__(self, batches: Batches, spec: SandboxSpec, results: list[SandboxInfo | CorralError | None], progress: Progress):
+        self.b = batches
+        self.spec = spec
+        self.results = results
+        self.progress = progress
+        self.refused: set[str] = set()  # nodes that said they have no room: not planned again
+        self.last: dict[int, CorralError] = {}  # why an item was refused last (its error if no round places it)
+
+    def _resolve(self, i: int, value: SandboxInfo | CorralError) -> None:
+        self.results[i] = value
+        self.b.admission.settle(self.spec)
+
+    async def run(self, todo: list[Item]) -> None:
+        spec = self.spec
+        pending = todo
+        try:
+            for _round in range(self.ROUNDS):
+                if not pending:
+                    break
+                pending = await self._round(pending)
+            for i, _ in pending:
+                self._resolve(i, self.last.get(i) or Capacity("no node took this item after three rounds", retry_after_s=1.0))
+            if pending:
+                await self.progress.add(failed=len(pending))
+        finally:
+            for i, _ in todo:  # cancelled: release what is still counted as pending
+                if self.results[i] is None:
+                    self.b.admission.settle(spec)
+
+    async def _round(self, pending: list[Item]) -> list[Item]:
+        """Plan and send `pending`; the items to plan again."""
+        spec, b = self.spec, self.b
+        alive = [s for s in b.registry.alive() if s.hb.node not in self.refused]
+        groups: list[tuple[NodeState, list[Item]]] = []
+        pos = 0
+        for st, k in plan(alive, spec, len(pending), b.policy):
+            for j in range(pos, pos + k, NODE_BATCH_MAX):
+                groups.append((st, pending[j:min(pos + k, j + NODE_BATCH_MAX)]))
+            pos += k
+        overflow = pending[pos:]
+        if overflow:
+            err = Capacity(f"no node has room for more sandboxes with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, "
+                           f"substrate={spec.substrate} ({placement.describe_room(b.registry.alive(), b.policy)})",
+                           retry_after_s=1.0)
+            for i, _ in overflow:
+                self._resolve(i, self.last.get(i, err))
+            await self.progress.add(failed=len(overflow))
+        retry: list[Item] = []
+        reqs: list[tuple[str, bytes, dict[str, str] | None]] = []
+        sent: list[tuple[NodeState, list[Item], Reservation]] = []
+        rid = spec.request_id
+        for st, chunk in groups:
+            k = len(chunk)
+            res = Reservation(cpu=spec.cpu * k, memory_mb=spec.memory_mb * k, n=k)
+            st.reservations.append(res)
+            items = [NodeCreate(sandbox_id=sid, spec=msgspec.structs.replace(spec, request_id=f"{rid}#{i}") if rid else spec)
+                     for i, sid in chunk]
+            reqs.append((subjects.node_create_batch(st.hb.node), encoder.encode(NodeCreateBatch(items=items)), None))
+            sent.append((st, chunk, res))
+        timeout = b.node_timeout_s + 0.25 * max((len(c) for _, c in groups), default=0)
+        async for j, msg in b.scatter.requests(reqs, timeout):
+            st, chunk, res = sent[j]
+            retry += await self._node_reply(st, chunk, res, msg, timeout)
+        return retry
+
+    async def _node_reply(self, st: NodeState, chunk: list[Item], res: Reservation, msg: Msg | None, timeout: float) -> list[Item]:
+        """One node's answer to its share of a batch: record what it made, fail what cannot be
+        made, and return what to plan again: what it refused for room (`capacity`, `unavailable`,
+        or `conflict` for an item held elsewhere that is not visible yet)."""
+        spec = self.spec
+        node, k = st.hb.node, len(chunk)
+        whole: CorralError | None = None
+        reply: NodeBatchReply | None = None
+        if msg is None:
+            # the node may still make them: with a request_id a retry of the batch finds them
+            whole = CorralError(f"node {node} did not answer within {timeout:g}s", Code.TIMEOUT)
+        elif bus.no_responders(msg):
+            whole = Unavailable(f"node {node} is not answering")
+        else:
+            try:
+                reply = envelope.decode_reply(msg.data, NodeBatchReply)
+            except CorralError as e:  # the node's error, or `internal` naming what did not match
+                whole = e
+            else:
+                if len(reply.results) != k:
+                    whole = CorralError(f"node {node} answered a batch of {k} with {len(reply.results)} results", Code.INTERNAL)
+        if whole is not None:
+            st.reservations.remove(res)
+            if whole.code in (Code.CAPACITY, Code.UNAVAILABLE):
+                self.refused.add(node)
+                for i, _ in chunk:
+                    self.last[i] = whole
+                return chunk
+            REJECTIONS.labels(whole.code.value).inc()
+            for i, _ in chunk:
+                self._resolve(i, whole)
+            await self.progress.add(failed=k)
+            return []
+        assert reply is not None
+        made = failed = 0
+        retry: list[Item] = []
+        for (i, sid), r in zip(chunk, reply.results):
+            if r.ok and r.sandbox is not None:
+                self.b.placements.set(r.sandbox)
+                self._resolve(i, r.sandbox)
+                made += 1
+                continue
+            why = r.error or ErrorBody(code="internal", message="node gave no reason")
+            err = from_code(why.code, why.message, why.retry_after_s)
+            if err.code == Code.CONFLICT:  # another attempt of this batch made it elsewhere
+                info = await self.b.placements.lookup(sid)
+                if info is not None:
+                    self._resolve(i, info)
+                    made += 1
+                    continue
+            if err.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.CONFLICT):
+                if err.code == Code.CAPACITY:
+                    self.refused.add(node)
+                self.last[i] = err
+                retry.append((i, sid))
+                continue
+            REJECTIONS.labels(err.code.value).inc()
+            self._resolve(i, err)
+            failed += 1
+        res.n, res.cpu, res.memory_mb = made, spec.cpu * made, spec.memory_mb * made
+        st.settle(res, reply.counted_at if reply.counted_at is not None else time.time())
+        if made:
+            PLACEMENTS.labels(node).inc(made)
+        await self.progress.add(placed=made, failed=failed)
+        return retry

@@ -4,10 +4,17 @@ nodes holding a warm-pool sandbox of the image before the others."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
+from corral_common.contract import subjects
+from corral_common.contract.errors import Capacity, CorralError, InvalidRequest
 from corral_common.contract.messages import SandboxSpec
 
-from .registry import NodeState, Policy
+from .counters import REJECTIONS
+from .registry import NodeState, Policy, Registry, Reservation
+
+PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
+ONE_SHOT_SUBSTRATES = {"function"}
 
 
 def fits(st: NodeState, spec: SandboxSpec, policy: Policy | None = None) -> bool:
@@ -71,3 +78,36 @@ def describe_room(nodes: list[NodeState], policy: Policy | None = None) -> str:
     if hot:
         out += f"; running hot: {', '.join(hot)}"
     return out
+
+
+def check_substrate(registry: Registry, spec: SandboxSpec, one_shot: bool = False) -> None:
+    """Refuse, with what to use instead, a substrate no node offers or one this request cannot use."""
+    if spec.substrate in ONE_SHOT_SUBSTRATES and not one_shot:
+        raise InvalidRequest(f"substrate {spec.substrate!r} is one-shot: send {{\"spec\", \"exec\"}} to {subjects.SANDBOX_RUN} "
+                             f"(SDK client.run / client.call); for a sandbox that stays use 'container' or 'docker'")
+    if spec.substrate in PLANNED_SUBSTRATES:
+        raise InvalidRequest(f"substrate {spec.substrate!r} ({PLANNED_SUBSTRATES[spec.substrate]}) is planned but not available yet; "
+                             f"available: {', '.join(sorted(registry.substrates())) or 'none'}")
+    have = registry.substrates()
+    if have and spec.substrate not in have:
+        raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")
+
+
+def attempts(alive: list[NodeState], spec: SandboxSpec, policy: Policy) -> Iterator[tuple[NodeState, Reservation]]:
+    """The (up to three) best candidate nodes for spec, one at a time, each with a reservation
+    held for the attempt (the caller removes it, or keeps it once placed): the room it takes
+    counts against the node while the node is asked."""
+    for st in candidates(alive, spec, policy)[:3]:
+        res = Reservation(cpu=spec.cpu, memory_mb=spec.memory_mb)
+        st.reservations.append(res)
+        yield st, res
+
+
+def no_room(what: str, spec: SandboxSpec, alive: list[NodeState], policy: Policy, tried: list[str], last: CorralError | None,
+            retry_after_s: float) -> Capacity:
+    """The `capacity` answer when no candidate node took the request: what was asked, the room
+    there is, and what the nodes tried said."""
+    REJECTIONS.labels("capacity").inc()
+    detail = f"; tried {', '.join(tried)}: {last.message}" if last else ""
+    return Capacity(f"no node has room for {what} with cpu={spec.cpu:g}, memory_mb={spec.memory_mb}, substrate={spec.substrate} "
+                    f"({describe_room(alive, policy)}){detail}", retry_after_s=retry_after_s)

@@ -6,12 +6,23 @@ contention: when the cluster is nearly full, a job already holding more than an 
 it is refused first (with a retry hint) so that other jobs can still start sandboxes."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from corral_common.contract.errors import Capacity
-from corral_common.contract.messages import JobQuota, SandboxInfo, SandboxSpec
+import msgspec
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+from corral_common import bus
+from corral_common.contract import subjects
+from corral_common.contract.errors import Capacity, InvalidRequest, NotFound
+from corral_common.contract.messages import JobQuota, QuotaGetRequest, QuotaSetRequest, SandboxInfo, SandboxSpec
+from corral_common.contract.replies import QuotaGetReply, QuotaReply, QuotaUsage
+
+from .registry import Policy, Registry
 
 KV_QUOTAS = "corral_quotas"
+log = logging.getLogger("corral.scheduler")
 
 
 @dataclass
@@ -71,3 +82,87 @@ def check_fair_share(job: str, totals: JobTotals, total_memory_mb: int, free_mem
         raise Capacity(f"the cluster is contended ({free_memory_mb} of {total_memory_mb} MiB free) and job {job or '(no job)'} "
                        f"holds {mine} MiB, above its fair share of {share:.0f} MiB among {len(jobs)} jobs",
                        retry_after_s=10.0)
+
+
+class Admission:
+    """Admits creates against the job's quota and fair share, and counts what is admitted but not
+    placed yet as pending (so concurrent creates cannot all pass a quota only one fits in)."""
+
+    def __init__(self, kv: KeyValue, registry: Registry, policy: Policy, totals: JobTotals, fair_share_below_free: float):
+        self.kv = kv
+        self.registry = registry
+        self.policy = policy
+        self.totals = totals
+        self.fair_share_below_free = fair_share_below_free
+        self.quotas: dict[str, JobQuota] = {}
+        self.pending: dict[str, Usage] = {}
+        self.watcher: KeyValue.KeyWatcher | None = None
+
+    async def start(self) -> None:
+        self.watcher = await self.kv.watchall()
+
+    async def watch(self) -> None:
+        """Every replica enforces the quotas any replica sets."""
+        assert self.watcher is not None
+        async for e in self.watcher:
+            if e is None:
+                continue
+            if e.operation in ("DEL", "PURGE") or not e.value:
+                self.quotas.pop(e.key, None)
+                continue
+            try:
+                self.quotas[e.key] = msgspec.json.decode(e.value, type=JobQuota)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("malformed quota ignored", extra={"fields": {"job": e.key}})
+
+    def quota(self, job: str) -> JobQuota | None:
+        return self.quotas.get(job) or self.quotas.get("_default")
+
+    def admit(self, spec: SandboxSpec, count: int) -> None:
+        """Quota and fair-share checks, then count the request as pending for its job."""
+        check_quota(spec.job, self.quota(spec.job), self.totals.of(spec.job, self.pending), spec, count)
+        alive = [s for s in self.registry.alive() if spec.substrate in s.hb.substrates]
+        total = sum(s.hb.capacity.memory_mb for s in alive)
+        free = sum(max(0, s.free(self.policy)[1]) for s in alive)
+        check_fair_share(spec.job, self.totals, total, free, spec, self.fair_share_below_free)
+        p = self.pending.setdefault(spec.job, Usage())
+        p.sandboxes += count
+        p.cpu += spec.cpu * count
+        p.memory_mb += spec.memory_mb * count
+
+    def settle(self, spec: SandboxSpec, count: int = 1) -> None:
+        """`count` admitted creates are over (placed, and so in the totals, or failed)."""
+        p = self.pending.get(spec.job)
+        if p is None:
+            return
+        p.sandboxes -= count
+        p.cpu -= spec.cpu * count
+        p.memory_mb -= spec.memory_mb * count
+        if p.sandboxes <= 0:
+            self.pending.pop(spec.job, None)
+
+    async def on_set(self, msg: Msg) -> QuotaReply:
+        """`corral.v1.quota.set`."""
+        r = bus.decode(msg.data, QuotaSetRequest)
+        key = r.job or "_default"
+        if not key.replace("_", "").replace("-", "").replace(".", "").isalnum():
+            raise InvalidRequest(f"job {r.job!r} cannot hold a quota: use letters, digits, '-', '_' and '.'")
+        for name, v in (("sandboxes", r.sandboxes), ("cpu", r.cpu), ("memory_mb", r.memory_mb)):
+            if v is not None and v < 0:
+                raise InvalidRequest(f"quota {name} must not be negative")
+        q = JobQuota(sandboxes=r.sandboxes, cpu=r.cpu, memory_mb=r.memory_mb)
+        await self.kv.put(key, msgspec.json.encode(q))
+        self.quotas[key] = q
+        return QuotaReply(job=key, quota=q)
+
+    async def on_get(self, msg: Msg) -> QuotaGetReply:
+        """`corral.v1.quota.get`: the job's quota and what it holds (placed and pending)."""
+        r = bus.decode(msg.data, QuotaGetRequest)
+        q = self.quota(r.job)
+        used = self.totals.of(r.job, self.pending)
+        if r.job != "_default" and r.job not in self.quotas and used.sandboxes <= 0:
+            default = self.quotas.get("_default")
+            raise NotFound(f"job {r.job!r} is unknown: it holds no sandboxes and has no quota of its own"
+                           + (f" (the _default quota applies to it: {msgspec.json.encode(default).decode()})" if default
+                              else "; no _default quota is set either") + f"; set one with {subjects.QUOTA_SET}")
+        return QuotaGetReply(job=r.job, quota=q, used=QuotaUsage(sandboxes=used.sandboxes, cpu=used.cpu, memory_mb=used.memory_mb))

@@ -23,14 +23,31 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
-from corral_common import metrics
-from corral_common.contract.errors import Code, Conflict, CorralError
-from corral_common.contract.messages import encoder
+from corral_common import bus, metrics
+from corral_common.contract import envelope, subjects
+from corral_common.contract.errors import Code, Conflict, CorralError, InvalidRequest, Unavailable, from_code
+from corral_common.contract.messages import NodeRun, RunRequest, SandboxSpec, encoder
+from corral_common.contract.replies import RunReply
+
+from . import placement
+from .counters import PLACEMENTS, REJECTIONS
+from .registry import Policy, Registry
 
 REPLAYS = metrics.counter("corral_scheduler_run_replays_total", "Runs answered from an earlier attempt with the same request_id", ())
 UNKNOWN_OUTCOME_GRACE_S = 5.0
+RUN_SLACK_S = 30.0  # beyond the exec's own timeout: image set-up, runc, teardown of a timed-out call
+
+# reads only a reply's `ok`: whether the node ran the call (its reply is then the outcome, even
+# one that does not decode) or refused it (nothing ran)
+_outcome_decoder = msgspec.json.Decoder(envelope.Reply)
+_error_decoder = msgspec.json.Decoder(envelope.ErrorReply)
 
 
 class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -51,7 +68,7 @@ class BeforeRun(CorralError):
 def digest_of(request: msgspec.Struct) -> str:
     """What identifies the request behind a request_id: every field, defaults included (a client
     that spells out a default sends the same request as one that leaves it out)."""
-    def canon(x):
+    def canon(x: object) -> object:
         if isinstance(x, msgspec.Struct):
             return {f: canon(getattr(x, f)) for f in x.__struct_fields__}
         if isinstance(x, dict):
@@ -72,29 +89,31 @@ def _exists(e: Exception) -> bool:
 
 
 def _error_reply(e: CorralError) -> bytes:
-    err: dict = {"code": e.code.value, "message": e.message}
-    if e.retry_after_s is not None:
-        err["retry_after_s"] = e.retry_after_s
-    return encoder.encode({"ok": False, "error": err})
+    return envelope.encode(envelope.ErrorReply(error=envelope.error_of(e)))
 
 
-def _replayed(reply: bytes) -> bytes:
-    """The stored reply with `result.replayed` set, so the caller can tell."""
+def _refusal(node: str, data: bytes) -> CorralError:
+    """A node's error reply (`ok` false) as the error it stands for."""
     try:
-        d = msgspec.json.decode(reply)
-    except msgspec.DecodeError:
-        return reply
-    if isinstance(d, dict) and d.get("ok") and isinstance(d.get("result"), dict):
-        d["result"]["replayed"] = True
-        return encoder.encode(d)
+        body = _error_decoder.decode(data).error
+    except msgspec.DecodeError as e:
+        return CorralError(f"node {node} sent a malformed error reply: {e}", Code.INTERNAL)
+    return from_code(body.code, body.message, body.retry_after_s)
+
+
+def _replayed(stored: bytes) -> RunReply:
+    """The first attempt's reply with `result.replayed` set, so the caller can tell; its error
+    raised if it failed."""
+    reply = envelope.decode_reply(stored, RunReply)
+    reply.result.replayed = True
     return reply
 
 
 class RunOnce:
-    def __init__(self, kv):
+    def __init__(self, kv: KeyValue):
         self.kv = kv
 
-    async def run(self, request_id: str, request: msgspec.Struct, wait_s: float, fn: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def run(self, request_id: str, request: msgspec.Struct, wait_s: float, fn: Callable[[], Awaitable[RunReply]]) -> RunReply:
         """`fn()` once for this request_id; its reply, or the first attempt's (marked replayed).
         `fn` raises BeforeRun for errors that leave nothing run; any other CorralError is the
         outcome (stored); other exceptions leave the claim to expire."""
@@ -107,11 +126,11 @@ class RunOnce:
             except Exception as e:
                 if not _exists(e):
                     raise
-                reply = await self._wait(key, request_id, digest)
-                if reply is None:
+                stored = await self._wait(key, request_id, digest)
+                if stored is None:
                     continue  # the earlier attempt ended before running anything: ours to run
                 REPLAYS.inc()
-                return _replayed(reply)
+                return _replayed(stored)
             try:
                 reply = await fn()
             except BeforeRun as e:
@@ -123,7 +142,7 @@ class RunOnce:
             except CorralError as e:
                 await self._store(key, digest, _error_reply(e))
                 raise
-            await self._store(key, digest, reply)
+            await self._store(key, digest, envelope.encode(reply))
             return reply
 
     async def _store(self, key: str, digest: str, reply: bytes) -> None:
@@ -158,3 +177,63 @@ class RunOnce:
                                   f"is unknown (the command may have run), so it is not run again", Code.TIMEOUT)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+class Runs:
+    """`corral.v1.sandbox.run`: place a one-shot call on a node offering its substrate (spread,
+    like create; the next candidate on `capacity`/`unavailable`) and relay the node's answer
+    `{"ok", "result", "sandbox_id", "node"}`. No sandbox is recorded: it is gone when the reply
+    arrives. With `spec.request_id` the call runs at most once (RunOnce): a retry gets the first
+    attempt's reply, marked `replayed`."""
+
+    def __init__(self, nc: NATS, kv_requests: KeyValue, registry: Registry, policy: Policy):
+        self.nc = nc
+        self.registry = registry
+        self.policy = policy
+        self.once = RunOnce(kv_requests)
+
+    async def on_run(self, msg: Msg) -> RunReply:
+        req = bus.decode(msg.data, RunRequest)
+        spec = req.spec.to_spec()
+        placement.check_substrate(self.registry, spec, one_shot=True)
+        if isinstance(req.exec.cmd, str) and not req.exec.cmd.strip():
+            raise InvalidRequest("exec.cmd is empty")
+        if req.exec.stream or req.exec.session or req.exec.trajectory:
+            raise InvalidRequest("a one-shot run answers with one message and keeps nothing: exec.stream, exec.session "
+                                 "and exec.trajectory need a sandbox (create one, then exec)")
+        if not spec.request_id:
+            try:
+                return await self._run(spec, req)
+            except BeforeRun as e:
+                raise e.err from None
+        return await self.once.run(spec.request_id, req, req.exec.timeout_s + RUN_SLACK_S, lambda: self._run(spec, req))
+
+    async def _run(self, spec: SandboxSpec, req: RunRequest) -> RunReply:
+        """The node's reply to the run; BeforeRun for errors that leave nothing to keep (no room,
+        a node's error reply), a plain `timeout` when a node took the call and never answered."""
+        alive = self.registry.alive()
+        data = encoder.encode(NodeRun(spec=spec, exec=req.exec))
+        tried: list[str] = []
+        last: CorralError | None = None
+        wait_s = req.exec.timeout_s + RUN_SLACK_S
+        for st, res in placement.attempts(alive, spec, self.policy):
+            tried.append(st.hb.node)
+            try:
+                resp = await self.nc.request(subjects.node_run(st.hb.node), data, timeout=wait_s)
+            except NoRespondersError:
+                last = Unavailable(f"node {st.hb.node} is not answering")
+                continue
+            except NatsTimeout:
+                raise CorralError(f"node {st.hb.node} did not answer the run within {wait_s:g}s", Code.TIMEOUT) from None
+            finally:
+                st.reservations.remove(res)
+            if _outcome_decoder.decode(resp.data).ok:
+                PLACEMENTS.labels(st.hb.node).inc()
+                return envelope.decode_reply(resp.data, RunReply)  # one that does not match raises `internal`: the outcome
+            e = _refusal(st.hb.node, resp.data)
+            if e.code in (Code.CAPACITY, Code.UNAVAILABLE):
+                last = e
+                continue
+            REJECTIONS.labels(e.code.value).inc()
+            raise BeforeRun(e)
+        raise BeforeRun(placement.no_room("a run", spec, alive, self.policy, tried, last, retry_after_s=0.5))

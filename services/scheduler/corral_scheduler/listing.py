@@ -1,0 +1,86 @@
+"""Answers about sandboxes as a whole: `corral.v1.sandbox.list`, and the `not_found` answer to a
+call on a sandbox no node owns, so a raw NATS client gets a JSON reply instead of a bare "no
+responders" status."""
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from corral_common import bus
+from corral_common.contract.envelope import error
+from corral_common.contract.messages import ListRequest
+from corral_common.contract.replies import SandboxListReply
+
+from .placements import Placements
+from .registry import Registry
+
+
+class Listing:
+    def __init__(self, nc: NATS, registry: Registry, placements: Placements, node_timeout_s: float, stale_after_s: float):
+        self.nc = nc
+        self.registry = registry
+        self.placements = placements
+        self.node_timeout_s = node_timeout_s
+        self.stale_after_s = stale_after_s
+
+    async def on_list(self, msg: Msg) -> SandboxListReply:
+        req = bus.decode(msg.data, ListRequest)
+        out = []
+        for info in self.placements.placed.values():
+            if req.job is not None and info.job != req.job:
+                continue
+            if req.node is not None and info.node != req.node:
+                continue
+            if req.labels and any(info.labels.get(k) != v for k, v in req.labels.items()):
+                continue
+            out.append(info)
+        out.sort(key=lambda i: i.created_at)
+        return SandboxListReply(sandboxes=out)
+
+    async def on_orphan(self, msg: Msg) -> None:
+        """A call on `corral.v1.sandbox.<id>.*`, heard by every replica's queue group: answer
+        `not_found` only once sure that no live node will answer it."""
+        if not msg.reply:
+            return
+        sid = msg.subject.split(".")[3]
+        p = self.placements
+        info = p.get(sid)
+        if info is None and sid in p.placing:
+            # being placed by this replica: its node may have answered the client directly
+            # before its answer to us was read; decide once it is recorded
+            try:
+                await asyncio.wait_for(p.placing[sid].wait(), self.node_timeout_s + 5)
+            except (TimeoutError, KeyError):
+                pass
+            info = p.get(sid)
+        if info is None and sid not in p.lost_recent:
+            await asyncio.sleep(0.05)  # let a just-created placement reach the watcher
+            info = p.get(sid)
+        if info is not None:
+            node = info.node
+        elif sid in p.lost_recent:
+            node = p.lost_recent[sid][0]
+        else:
+            for wait in (0.0, 0.25):  # another replica may have placed it, its KV write in flight
+                await asyncio.sleep(wait)
+                if p.get(sid) is not None:
+                    return
+                held = await p.in_kv(sid)
+                if held is None or held:
+                    return  # owned (its node answers), or the bucket is unreadable: not ours to deny
+            await self.nc.publish(msg.reply, error(
+                "not_found", f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"))
+            return
+        if self.registry.is_alive(node):
+            return  # owned by a live node: it answers
+        # the node looks lost, but it may only have been paused or slow and be answering right
+        # now, its next heartbeat on the way: give it one heartbeat interval before saying no
+        await asyncio.sleep(min(max(self.registry.interval(node), 0.2), self.stale_after_s))
+        if self.registry.is_alive(node):
+            return
+        now_info = p.get(sid)
+        if now_info is not None and now_info.node != node and self.registry.is_alive(now_info.node):
+            return
+        await self.nc.publish(msg.reply, error("not_found", f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"))

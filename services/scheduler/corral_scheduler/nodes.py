@@ -1,0 +1,111 @@
+"""The nodes as the scheduler hears them: heartbeats feed the registry (and, every few seconds,
+the nodes KV bucket for other replicas and operators), and a node that stops heartbeating is
+declared lost."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+from corral_common import logs
+from corral_common.contract import subjects
+from corral_common.contract.messages import Event, Heartbeat, encoder
+
+from .counters import NODES_ALIVE
+from .placements import Placements
+from .registry import Registry
+
+log = logging.getLogger("corral.scheduler")
+LOST_MEMORY_S = 600.0  # how long a lost node's sandboxes are remembered (for orphan answers)
+KV_REFRESH_S = 5.0  # how often a node's entry in the nodes bucket is rewritten
+
+
+class Nodes:
+    def __init__(self, nc: NATS, kv: KeyValue, registry: Registry, placements: Placements, stale_after_s: float):
+        self.nc = nc
+        self.kv = kv
+        self.registry = registry
+        self.placements = placements
+        self.stale_after_s = stale_after_s
+        self.kv_put_at: dict[str, float] = {}  # node -> when its bucket entry was last written (monotonic)
+
+    async def load(self) -> None:
+        """The nodes other replicas heard recently: a restarted replica places at once instead of
+        waiting a heartbeat interval for every node."""
+        try:
+            keys = await self.kv.keys()
+        except Exception:
+            return
+        for k in keys:
+            try:
+                e = await self.kv.get(k)
+                if e is None or not e.value:
+                    continue
+                hb = msgspec.json.decode(e.value, type=Heartbeat)
+            except Exception:  # a node's entry deleted meanwhile, or unreadable: its next heartbeat counts
+                continue
+            if time.time() - hb.ts < self.stale_after_s:
+                self.registry.heartbeat(hb)
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = msgspec.json.decode(msg.data, type=Heartbeat)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("malformed heartbeat ignored")
+            return
+        self.registry.heartbeat(hb)
+        NODES_ALIVE.set(len(self.registry.alive()))
+        # the registry in KV is for replicas and operators, not the hot path: refresh it every few
+        # seconds per node rather than on every heartbeat (a thousand nodes beat every second)
+        now = time.monotonic()
+        if now - self.kv_put_at.get(hb.node, 0.0) >= KV_REFRESH_S or hb.stopping:
+            self.kv_put_at[hb.node] = now
+            try:  # a plain publish into the bucket's stream: waiting for each ack here would queue
+                # the heartbeats behind KV round trips until nodes looked stale (and were declared lost)
+                await self.nc.publish(subjects.kv_key(subjects.KV_NODES, hb.node), msg.data)
+            except Exception:  # the node heartbeats again in 50 ms, and that publish writes the entry
+                pass
+
+    async def lost_loop(self) -> None:
+        """A node that stops heartbeating is lost: its sandboxes are reported lost and dropped from
+        the placements, so calls to them get `not_found` and new work goes elsewhere.
+
+        `corral.events.node.<node>.lost` goes out only after the placements are deleted: a node
+        that was alive all along (paused, overloaded, its agent restarting) hears it and writes
+        its live sandboxes' placements back, and no delete of ours can land after that."""
+        lost: set[str] = set()
+        lost_recent = self.placements.lost_recent
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for sid in [s for s, (_, t) in lost_recent.items() if now - t > LOST_MEMORY_S]:
+                del lost_recent[sid]
+            alive = {s.hb.node for s in self.registry.alive()}
+            for node, st in list(self.registry.nodes.items()):
+                if node in alive:
+                    lost.discard(node)
+                    continue
+                if node in lost or st.hb.stopping:
+                    continue
+                lost.add(node)
+                await self._declare_lost(node, now)
+
+    async def _declare_lost(self, node: str, now: float) -> None:
+        victims = self.placements.on_node(node)
+        logs.kv(log, logging.WARNING, "node lost", node=node, sandboxes=len(victims))
+        for info in victims:
+            self.placements.lost_recent[info.id] = (node, now)
+            await self.nc.publish(subjects.event(info.id, "lost"), encoder.encode(
+                Event(kind="lost", ts=time.time(), sandbox_id=info.id, node=node, job=info.job,
+                      reason=f"node {node} stopped heartbeating")))
+            try:
+                await self.placements.delete(info.id)
+            except Exception as e:
+                logs.kv(log, logging.WARNING, "placement not deleted", sandbox=info.id, error=repr(e))
+        await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode(
+            Event(kind="lost", ts=time.time(), node=node, reason="stopped heartbeating", detail={"sandboxes": [v.id for v in victims]})))

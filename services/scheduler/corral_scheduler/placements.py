@@ -1,0 +1,125 @@
+"""Where every sandbox is, as this replica sees it: fed by the placements KV bucket (each
+node-agent writes its own) and by the nodes' answers to this replica's creates, which arrive
+before the KV watch echoes them. Kept with the per-job totals and a per-node index so that
+admission and a lost node cost the same with 380,000 live sandboxes as with 10."""
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from corral_common.contract.messages import SandboxInfo
+
+from .quotas import JobTotals
+
+_info_decoder = msgspec.json.Decoder(SandboxInfo)
+
+
+class Placements:
+    def __init__(self, kv: KeyValue):
+        self.kv = kv
+        self.placed: dict[str, SandboxInfo] = {}
+        self.by_node: dict[str, set[str]] = {}  # node -> ids of its placements
+        self.totals = JobTotals()
+        # sandboxes whose placements this replica deleted when their node was declared lost:
+        # id -> (node, when); a call to one waits for the node to show up again before `not_found`
+        self.lost_recent: dict[str, tuple[str, float]] = {}
+        # creates this replica is placing (set when the node's answer is recorded): the node may
+        # have answered the client directly, whose next call must not be answered `not_found`
+        self.placing: dict[str, asyncio.Event] = {}
+        self.watcher: KeyValue.KeyWatcher | None = None
+
+    def get(self, sid: str) -> SandboxInfo | None:
+        return self.placed.get(sid)
+
+    def on_node(self, node: str) -> list[SandboxInfo]:
+        """The node's sandboxes, by the per-node index: scanning every placement per lost node
+        stalls the loop."""
+        return [self.placed[sid] for sid in list(self.by_node.get(node, ())) if sid in self.placed]
+
+    def set(self, info: SandboxInfo) -> None:
+        if self.lost_recent:
+            self.lost_recent.pop(info.id, None)
+        old = self.placed.get(info.id)
+        self.placed[info.id] = info
+        if old is not None:
+            if old.node != info.node:
+                self._by_node_discard(old)
+                self.by_node.setdefault(info.node, set()).add(info.id)
+            if old.job == info.job and old.cpu == info.cpu and old.memory_mb == info.memory_mb:
+                return  # the same sandbox seen again (reply, then the KV watch): totals unchanged
+            self.totals.add(old, -1)
+        else:
+            self.by_node.setdefault(info.node, set()).add(info.id)
+        self.totals.add(info)
+
+    def unplace(self, sid: str) -> None:
+        old = self.placed.pop(sid, None)
+        if old is not None:
+            self.totals.add(old, -1)
+            self._by_node_discard(old)
+
+    def _by_node_discard(self, info: SandboxInfo) -> None:
+        ids = self.by_node.get(info.node)
+        if ids is not None:
+            ids.discard(info.id)
+            if not ids:
+                del self.by_node[info.node]
+
+    async def lookup(self, sid: str) -> SandboxInfo | None:
+        """The sandbox as this replica knows it, else as the KV bucket holds it: another replica's
+        create, or a node's write this replica's watch has not delivered yet."""
+        info = self.placed.get(sid)
+        if info is not None:
+            return info
+        try:
+            e = await self.kv.get(sid)
+        except KeyNotFoundError:
+            return None
+        except Exception:
+            return None
+        if e is None or not e.value:
+            return None
+        try:
+            return _info_decoder.decode(e.value)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def in_kv(self, sid: str) -> bool | None:
+        """Whether the bucket holds `sid` (None: the bucket could not be read)."""
+        try:
+            await self.kv.get(sid)
+            return True
+        except KeyNotFoundError:
+            return False
+        except Exception:
+            return None
+
+    async def delete(self, sid: str) -> None:
+        await self.kv.delete(sid)
+
+    async def start(self) -> None:
+        self.watcher = await self.kv.watchall()
+
+    async def watch(self) -> None:
+        assert self.watcher is not None
+        async for e in self.watcher:
+            if e is None:  # end of the initial values
+                continue
+            if e.operation in ("DEL", "PURGE") or not e.value:
+                self.unplace(e.key)
+                continue
+            try:
+                self.set(_info_decoder.decode(e.value))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+
+    async def stop(self) -> None:
+        if self.watcher is None:
+            return
+        try:
+            await self.watcher.stop()
+        except Exception:  # shutting down: a watcher that fails to stop is dropped with the connection
+            pass
