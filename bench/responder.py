@@ -57,7 +57,7 @@ import nats
 
 from bench._common import Goal, goal, log, pyplot, save, stats
 from corral_common import bus, metrics
-from corral_common.contract import messages
+from corral_common.contract import envelope
 from corral_common.contract.errors import CorralError
 
 VARIANTS = ("responder", "responder_bare", "micro", "micro_metrics", "micro_task")
@@ -70,6 +70,10 @@ class Echo(msgspec.Struct):
     sleep_ms: float = 0.0
 
 
+class EchoReply(envelope.Reply, kw_only=True):
+    echo: str
+
+
 def subject(variant: str) -> str:
     return f"{PREFIX}.{variant}"
 
@@ -80,7 +84,7 @@ async def handle(data: bytes) -> bytes:
     req = bus.decode(data, Echo)
     if req.sleep_ms:
         await asyncio.sleep(req.sleep_ms / 1000)
-    return messages.ok(echo=req.text)
+    return envelope.encode(EchoReply(echo=req.text))
 
 
 async def serve(url: str) -> None:
@@ -102,7 +106,7 @@ async def serve(url: str) -> None:
         try:
             body = await handle(req.data)
         except CorralError as e:  # corral's errors are JSON replies with a code, as the Responder makes them
-            body = messages.error(e.code.value, e.message, e.retry_after_s)
+            body = envelope.error(e.code.value, e.message, e.retry_after_s)
         await req.respond(body)
 
     async def on_request_counted(req: Request) -> None:
@@ -112,7 +116,7 @@ async def serve(url: str) -> None:
             body = await handle(req.data)
         except CorralError as e:
             code = e.code.value
-            body = messages.error(e.code.value, e.message, e.retry_after_s)
+            body = envelope.error(e.code.value, e.message, e.retry_after_s)
         metrics.request_done("bench-micro", "echo", code, (time.perf_counter_ns() - t0) / 1e9)
         await req.respond(body)
 

@@ -419,15 +419,6 @@ class Event(Struct, kw_only=True, omit_defaults=True):
 encoder = msgspec.json.Encoder()
 
 
-def ok(**fields: Any) -> bytes:
-    """Encode a success reply: `{"ok": true, **fields}`."""
-    return encoder.encode({"ok": True, **fields})
-
-
-def error(code: str, message: str, retry_after_s: float | None = None) -> bytes:
-    return encoder.encode({"ok": False, "error": ErrorBody(code=code, message=message, retry_after_s=retry_after_s)})
-
-
 def new_id(prefix: str = "sb") -> str:
     import secrets
 
