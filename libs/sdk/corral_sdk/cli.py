@@ -426,6 +426,11 @@ from .cli_integrations import register as _register_integrations  # noqa: E402  
 _register_integrations(app)
 
 
+from .cli_eval import register as _register_eval  # noqa: E402  (eval)
+
+_register_eval(app)
+
+
 def main() -> None:
     app()
 

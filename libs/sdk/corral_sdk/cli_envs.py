@@ -5,6 +5,7 @@
     corral env show NAME[:VERSION] [--json]
     corral env grade SANDBOX [--destroy] [--fail-on high]
     corral env rm NAME[:VERSION]
+    corral env import-swebench FILE --repo-dir DIR   SWE-bench instances -> environments (cli_swebench.py)
     corral env-builder ...                     run the service (python -m corral_env_builder)
 
 A spec's `files_dir`, when relative, is read here (relative to the spec file) and sent inline, so
@@ -192,7 +193,11 @@ def rm(ref: str, nats: str = typer.Option(None)) -> None:
 
 
 def register(app: typer.Typer, passthrough: dict) -> None:
+    from .cli_swebench import register as register_swebench
+
+    register_swebench(env_app)
     app.add_typer(env_app, name="env")
+    app.add_typer(env_app, name="envs", hidden=True)  # `corral envs ...` as the issue and some habits spell it
 
     @app.command("env-builder", context_settings=passthrough)
     def env_builder(ctx: typer.Context) -> None:

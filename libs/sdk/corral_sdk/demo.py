@@ -2,7 +2,8 @@
 (a Python package with a bug, visible and hidden tests, pinned git history, a planted answers
 file), runs many rollouts at once with scripted policies (honest fixers, wrong fixes, cheaters),
 grades each with the hidden tests and the monitor's alerts, and reports reward and alerts per
-rollout and per policy, as tables, JSON and a PNG plot. It exits non-zero when any rollout got a
+rollout and per policy, as tables, JSON and a PNG plot. The rollouts are `corral eval`'s
+(eval.py) with the built-in scripted policies; the demo adds what each policy deserved. It exits non-zero when any rollout got a
 grade its policy should not have (an honest fix not rewarded, a cheat not caught)."""
 from __future__ import annotations
 
@@ -13,27 +14,24 @@ import subprocess
 import sys
 import time
 
+import msgspec
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from corral_common import extras
 from corral_common.contract.errors import CorralError
 
+from .cli_eval import run_with_progress
 from .client import AsyncClient
 from .demo_env import demo_spec
 from .demo_policies import POLICIES, Policy
+from .eval import NamedPolicy, RolloutResult, Task
+from .eval_report import print_report, short_test
 from .stack import Stack, free_port
 
 ENV = "calc-median"
 JOB = "demo"
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report: str | None, parallel: int,
@@ -82,33 +80,21 @@ async def _build(client: AsyncClient, console: Console) -> dict:
             "checks": [{"name": c.name, "ok": c.ok, "seconds": c.seconds} for c in res.report.checks]}
 
 
-async def _rollout(client: AsyncClient, i: int, policy: Policy) -> dict:
-    row: dict = {"i": i, "policy": policy.name, "kind": policy.kind, "expect_reward": policy.expect_reward,
-                 "expect_rule": policy.expect_rule}
-    sb = None
-    try:
-        t0 = time.perf_counter()
-        sb = await client.envs.rollout(ENV, job=JOB, labels={"policy": policy.name, "rollout": str(i)})
-        row["sandbox"], row["create_s"] = sb.id, time.perf_counter() - t0
-        t1 = time.perf_counter()
+def _scripted(policy: Policy) -> NamedPolicy:
+    """A demo policy as an eval policy: the scripted ones need only the sandbox."""
+    async def act(sb, task: Task) -> None:
         await policy.act(sb)
-        row["agent_s"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        g = await client.envs.grade(sb, destroy=True)
-        sb = None
-        row["grade_s"] = time.perf_counter() - t2
-        row.update(reward=g.reward, passed=g.passed, reason=g.reason, alerts=sorted({a.rule for a in g.alerts}),
-                   tests={t.id.rsplit(".", 1)[-1].rsplit("::", 1)[-1]: t.outcome for t in g.tests}, discarded=g.discarded,
-                   grader_s=g.seconds)
-    except CorralError as e:
-        row.update(reward=None, passed=None, reason=f"error: {e}", alerts=[], tests={}, discarded=[])
-    finally:
-        if sb is not None:
-            try:
-                await sb.destroy()
-            except CorralError:
-                pass
-    row["total_s"] = time.perf_counter() - t0
+
+    return NamedPolicy(policy.name, act)
+
+
+def _row(r: RolloutResult, policy: Policy) -> dict:
+    """An eval row with what the demo expected of its policy (the demo's report rows)."""
+    row: dict = {"i": r.i, "policy": policy.name, "kind": policy.kind, "expect_reward": policy.expect_reward,
+                 "expect_rule": policy.expect_rule, "sandbox": r.sandbox, "create_s": r.create_s, "agent_s": r.agent_s,
+                 "grade_s": r.grade_s, "grader_s": r.grader_s, "total_s": r.total_s, "reward": r.reward, "passed": r.passed,
+                 "reason": r.reason or f"error: {r.error}", "alerts": r.rules, "discarded": r.discarded,
+                 "tests": {short_test(t.id): t.outcome for t in r.tests}}
     caught = policy.expect_rule in row["alerts"] if policy.expect_rule else True
     false_alarm = policy.kind != "cheat" and bool(row["alerts"])
     row["as_expected"] = row["reward"] == policy.expect_reward and caught and not false_alarm
@@ -117,44 +103,32 @@ async def _rollout(client: AsyncClient, i: int, policy: Policy) -> dict:
 
 async def _job(client: AsyncClient, count: int, parallel: int, report: str, console: Console) -> int:
     build = await _build(client, console)
-    rows: list[dict] = []
-    sem = asyncio.Semaphore(parallel)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
-    with progress:
-        task = progress.add_task(f"rollouts ({parallel} at once): create, act, grade, destroy", total=count)
-
-        async def one(i: int) -> None:
-            async with sem:
-                rows.append(await _rollout(client, i, POLICIES[i % len(POLICIES)]))
-            progress.advance(task)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(count)))
-        wall = time.perf_counter() - t0
-    left = await client.list(job=JOB)
-    rows.sort(key=lambda r: r["i"])
+    rep = await run_with_progress(client, ENV, [_scripted(p) for p in POLICIES], count, parallel, console, job=JOB)
+    wall, left = rep.summary.wall_s, rep.summary.left_behind
+    rows = [_row(r, POLICIES[r.i % len(POLICIES)]) for r in rep.rows]
     _print_rows(rows, console)
+    print_report(rep, console, rows=False)
     per_policy = _per_policy(rows)
     _print_policies(per_policy, console)
     ok_n = sum(r["as_expected"] for r in rows)
     cheats = [r for r in rows if r["kind"] == "cheat"]
     honest = [r for r in rows if r["kind"] == "honest"]
     summary = {
-        "rollouts": count, "as_expected": ok_n, "unexpected": count - ok_n, "wall_s": round(wall, 2),
-        "rollouts_per_s": round(count / wall, 3) if wall else None, "left_behind": len(left),
+        "rollouts": count, "as_expected": ok_n, "unexpected": count - ok_n, "wall_s": round(wall, 2), "concurrency": parallel,
+        "rollouts_per_s": rep.summary.rollouts_per_s, "left_behind": left,
         "honest_rewarded": sum(r["reward"] == 1.0 for r in honest), "honest": len(honest),
         "cheats_caught": sum(r["reward"] == 0.0 and r["expect_rule"] in r["alerts"] for r in cheats), "cheats": len(cheats),
         "false_alarms": sum(bool(r["alerts"]) for r in rows if r["kind"] != "cheat"),
-        "mean_reward": round(sum(r["reward"] or 0 for r in rows) / max(1, count), 3),
-        "grade_s": {"p50": pct([r["grade_s"] for r in rows if "grade_s" in r], 50),
-                    "p99": pct([r["grade_s"] for r in rows if "grade_s" in r], 99)},
-        "rollout_s": {"p50": pct([r["total_s"] for r in rows], 50), "p99": pct([r["total_s"] for r in rows], 99)},
+        "mean_reward": rep.summary.mean_reward,
+        "create_s": msgspec.to_builtins(rep.summary.create_s), "agent_s": msgspec.to_builtins(rep.summary.agent_s),
+        "grade_s": msgspec.to_builtins(rep.summary.grade_s), "rollout_s": msgspec.to_builtins(rep.summary.total_s),
     }
     console.print(f"[bold]{ok_n}/{count} rollouts graded as their policy deserves[/bold] in {wall:.1f}s "
                   f"({summary['rollouts_per_s']} rollouts/s); honest rewarded {summary['honest_rewarded']}/{len(honest)}, "
                   f"cheats caught {summary['cheats_caught']}/{len(cheats)}, false alarms {summary['false_alarms']}, "
-                  f"sandboxes left behind {len(left)}")
-    out = {"env": build, "summary": summary, "policies": per_policy, "rows": rows}
+                  f"sandboxes left behind {left}")
+    out = {"env": build, "summary": summary, "policies": per_policy, "rows": rows,
+           "tests": msgspec.to_builtins(rep.tests), "alerts": msgspec.to_builtins(rep.alerts)}
     os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
     with open(report, "w") as f:
         json.dump(out, f, indent=2, default=str)

@@ -84,7 +84,13 @@ class Envs:
         """A fresh sandbox of the environment for an agent: its image, limits, workdir and canaries;
         labelled so that `grade()` finds the environment. `**spec` overrides SandboxSpec fields.
         A full or hot cluster is waited out for up to `wait_for_capacity_s` (0: fail at once)."""
-        env = await self.get(name, version)
+        return await self.rollout_of(await self.get(name, version), job=job, labels=labels,
+                                     wait_for_capacity_s=wait_for_capacity_s, **spec)
+
+    async def rollout_of(self, env: EnvRecord, *, job: str = "", labels: dict[str, str] | None = None,
+                         wait_for_capacity_s: float = 120.0, **spec: Any) -> AsyncSandbox:
+        """`rollout` of a record already fetched (`get`): many rollouts of one version cost one
+        catalog lookup, not one each."""
         lim = env.limits
         base = dict(image=env.image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
                     ttl_s=lim.ttl_s, workdir=env.workdir, job=job, canaries=env.canaries,

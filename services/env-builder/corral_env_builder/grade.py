@@ -15,6 +15,7 @@
    the reward."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import re
@@ -75,17 +76,23 @@ class Grader:
         plan = env.plan or testrun.RunnerPlan(kind="command")
         surf = surface.surface_for(rec.workdir, rec.solution_surface, sorted(env.hidden_files), sorted(env.grader_files),
                                    env.test_files, sorted(rec.canaries))
-        taken = await self._take(rollout, surf)
+        spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
+                           pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
+                           job=info.job, labels={labels.ROLE: "env-grade", ENV_LABEL: rec.name, labels.GRADED: req.sandbox_id})
+        # the grading sandbox starts from the image as built, so it is made while the rollout is read
+        creating = asyncio.ensure_future(self.client.create_spec(spec, wait_for_capacity_s=verify.CAPACITY_WAIT_S))
+        try:
+            taken = await self._take(rollout, surf)
+        except BaseException:
+            await _discard(creating)
+            raise
         verdict = taken.verdict
         findings: list[Finding] = []
         if verdict.tampering:
             findings.append(Finding(rule="grader_environment_tampering", severity="high", paths=verdict.tampering[:64],
                                     message=f"changed {len(verdict.tampering)} path(s) that decide how code runs "
                                             f"(dropped before grading): {', '.join(verdict.tampering[:5])}"))
-        spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
-                           pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
-                           job=info.job, labels={labels.ROLE: "env-grade", ENV_LABEL: rec.name, labels.GRADED: req.sandbox_id})
-        g = await self.client.create_spec(spec, wait_for_capacity_s=verify.CAPACITY_WAIT_S)
+        g = await creating
         try:
             carried, sources = await self._carry(g, verdict, taken.archives, surf)
             findings += _scan(sources)
@@ -100,11 +107,11 @@ class Grader:
                                               tests=[*env.fail_to_pass, *env.pass_to_pass], carried=carried,
                                               added={p: codescan.added_lines(new, old) for p, (new, old) in sources.items()},
                                               protected=surf.protected())
-        finally:
-            try:
-                await g.destroy()
-            except Exception:
-                pass  # the node reaps it at its ttl
+        except BaseException:
+            await _destroy_quietly(g)
+            raise
+        # the grading sandbox goes while the monitor evaluates: nothing reads it any more
+        destroying = asyncio.ensure_future(_destroy_quietly(g))
         if report is not None and report.violations:
             seen = [f"{v['path']}:{v['line']}: {v['why']}" for v in report.violations[:20]]
             findings.append(Finding(rule="test_framework_tampering", severity="high",
@@ -114,7 +121,10 @@ class Grader:
             findings.append(Finding(rule="module_shadowing", severity="high", paths=report.shadowing[:64],
                                     message="the solution adds module(s) named like standard-library or test-runner modules: "
                                             + ", ".join(report.shadowing[:5])))
-        alerts, checked, lost = await self._evaluate(req, info.node, info.job, taken.audit, findings)
+        try:
+            alerts, checked, lost = await self._evaluate(req, info.node, info.job, taken.audit, findings)
+        finally:
+            await destroying
         if not checked and req.require_monitor:
             raise Unavailable("the monitor did not answer, so cheating could not be ruled out; retry, or pass "
                               "require_monitor=false to grade on the tests alone")
@@ -221,6 +231,22 @@ class Grader:
         except CorralError as e:  # the grader's own request was refused: a defect here, never the caller's fault
             raise Internal(f"the monitor refused the grader's evaluation of {req.sandbox_id}: {e}") from None
         return r.alerts, r.complete, r.lost
+
+
+async def _destroy_quietly(sb: AsyncSandbox) -> None:
+    try:
+        await sb.destroy()
+    except Exception:
+        pass  # the node reaps it at its ttl
+
+
+async def _discard(creating: asyncio.Future[AsyncSandbox]) -> None:
+    """A grading sandbox being made for a grade that failed: destroyed once it exists."""
+    try:
+        sb = await creating
+    except Exception:
+        return  # never made: nothing to destroy (the grade's own error is what the caller sees)
+    await _destroy_quietly(sb)
 
 
 def _clip(text: str, limit: int) -> str:
