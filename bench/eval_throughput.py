@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import nats
 
-from bench._common import log, pyplot, save, stats
+from bench._common import Goal, goal, log, pyplot, save, stats
 from corral_common.contract import subjects
 from corral_sdk.client import AsyncClient
 from corral_sdk.demo import _scripted
@@ -126,6 +126,13 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+def goals(res: dict) -> list[Goal]:
+    at16 = [r["rollouts_per_s"] for r in res["runs"] if r["concurrency"] == 16]
+    return [goal("rollouts_per_s_at_16", 4.0, at16[0] if at16 else None, "rollouts/s", "higher",
+                 what="`corral eval` of the demo env with the ten scripted policies, rollouts finished per second",
+                 note=", ".join(f"{r['rollouts_per_s']}/s at {r['concurrency']} (load {r['load_before']})" for r in res["runs"]))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollouts", type=int, default=48)
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
     res = asyncio.run(run(a.rollouts, a.concurrency, a.nodes))
-    save(a.out, "eval_throughput", res, plot)
+    save(a.out, "eval_throughput", res, plot, goals(res))
     return 0
 
 
