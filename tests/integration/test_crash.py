@@ -236,7 +236,10 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
     still holds that claim) and their notes on disk; finished sandboxes are adopted."""
     import secrets
 
-    async with running_stack(nodes=1, monitor=False, env_builder=False) as stack:
+    # the restarted agent must be the one that finds the claims: with the default 5 s, a restart
+    # slower than that under load lets the scheduler declare the node lost first and delete them
+    # itself (reported as `lost`, not `failed`), which is test_node_lost's subject, not this one's
+    async with running_stack(nodes=1, monitor=False, env_builder=False, scheduler_args=["--stale-after-s", "120"]) as stack:
         node = "node-1"
         notes = f"{stack.data_dir}/nodes/{node}/claims"
         nc = await nats.connect(stack.url)
