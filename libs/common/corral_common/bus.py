@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
@@ -80,14 +81,14 @@ async def kv_keys(kv: KeyValue, attempts: int = 3) -> list[str]:
             await asyncio.sleep(0.2 * (attempt + 1))
     else:
         raise CorralError(f"cannot list KV bucket keys: {err}", Code.UNAVAILABLE)
-    keys = []
+    keys: list[str] = []
     for subj in subjects:
         k = subj[len(kv._pre):]
         try:
-            e = await kv.get(k)
+            entry = await kv.get(k)
         except (KeyDeletedError, KeyNotFoundError):
             continue
-        if e is not None and e.value is not None and e.operation in (None, "PUT"):
+        if entry is not None and entry.value is not None and entry.operation in (None, "PUT"):
             keys.append(k)
     return keys
 
@@ -124,7 +125,7 @@ class Responder:
         discovery reports); `metadata` goes into every discovery reply (a node-agent's node)."""
         self.nc = nc
         self.service = service
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self.subs: dict[str, Any] = {}
         self.ops: dict[str, str] = {}  # subscription key -> op, for discovery
         self.discovery = Discovery(nc, service, package=package, metadata=metadata)
@@ -195,7 +196,7 @@ class Responder:
 
 
 def no_responders(msg: Msg) -> bool:
-    return bool(msg.headers) and msg.headers.get("Status") == "503"
+    return msg.headers is not None and msg.headers.get("Status") == "503"
 
 
 class Scatter:
@@ -211,7 +212,7 @@ class Scatter:
     def __init__(self, nc: NATS):
         self.nc = nc
         self.prefix = ""
-        self.sub = None
+        self.sub: Subscription | None = None
         self.calls: dict[str, _Call] = {}
         self._n = 0
 
@@ -228,7 +229,7 @@ class Scatter:
             st.got.append((int(idx), msg))
             st.wake()
 
-    async def requests(self, reqs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float):
+    async def requests(self, reqs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float) -> AsyncIterator[tuple[int, Msg | None]]:
         """Send every (subject, data, headers) request, then yield (index, Msg | None)."""
         if self.sub is None:
             await self.start()
@@ -265,7 +266,7 @@ class Scatter:
 class _Call:
     def __init__(self) -> None:
         self.got: list[tuple[int, Msg]] = []
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[None] | None = None
         self.expired = False
 
     def wake(self) -> None:

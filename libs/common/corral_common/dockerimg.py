@@ -15,10 +15,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import extras, linux
 from .contract.errors import Internal, InvalidRequest, NotFound, Unavailable
+
+if TYPE_CHECKING:
+    from aiodocker import Docker
+    from nats.js import JetStreamContext
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 
@@ -27,13 +32,13 @@ def docker_host() -> str:
     return os.environ.get("DOCKER_HOST") or DEFAULT_HOST
 
 
-async def connect(url: str | None = None, timeout: float = 5.0):
+async def connect(url: str | None = None, timeout: float = 5.0) -> Docker:
     """An aiodocker client that answered `version`, or Unavailable saying why not."""
     aiodocker = extras.require("aiodocker", "docker", "Docker Engine access")
 
     host = url or docker_host()
     try:
-        docker = aiodocker.Docker(url=host)
+        docker: Docker = aiodocker.Docker(url=host)
     except Exception as e:  # no socket at all
         raise Unavailable(f"Docker is not reachable at {host}: {e}") from None
     try:
@@ -49,7 +54,7 @@ def layers_tag(layers: list[str]) -> str:
     return hashlib.sha256("\n".join(layers).encode()).hexdigest()[:16]
 
 
-async def image_exists(docker, ref: str) -> bool:
+async def image_exists(docker: Docker, ref: str) -> bool:
     from aiodocker.exceptions import DockerError
 
     try:
@@ -62,7 +67,7 @@ async def image_exists(docker, ref: str) -> bool:
 
 
 @contextlib.contextmanager
-def merged_view(lowers: list[str], work_dir: str):
+def merged_view(lowers: list[str], work_dir: str) -> Iterator[str]:
     """The read-only union of layer dirs (top first, as overlayfs wants them) at a temporary
     mount point; a single layer is used as it is."""
     if len(lowers) == 1:
@@ -95,7 +100,7 @@ async def _tar_stream(root: str) -> AsyncIterator[bytes]:
             raise Internal(f"tar of {root} failed: {err.decode(errors='replace')[-1000:]}")
 
 
-async def import_tree(docker, root: str, ref: str, message: str = "") -> str:
+async def import_tree(docker: Docker, root: str, ref: str, message: str = "") -> str:
     """`docker import` of a directory tree as image `ref` (repo:tag); returns the image id."""
     repo, _, tag = ref.rpartition(":") if ":" in ref.split("/")[-1] else (ref, "", "latest")
     params = {"fromSrc": "-", "repo": repo, "tag": tag or "latest"}
@@ -104,7 +109,7 @@ async def import_tree(docker, root: str, ref: str, message: str = "") -> str:
     async with docker._query_chunked_post("images/create", "POST", params=params, data=_tar_stream(root),
                                           headers={"Content-Type": "application/x-tar"}, timeout=None) as resp:
         body = await resp.read()
-    last = {}
+    last: dict[str, Any] = {}
     for line in body.decode(errors="replace").splitlines():
         try:
             last = json.loads(line)
@@ -115,7 +120,7 @@ async def import_tree(docker, root: str, ref: str, message: str = "") -> str:
     return str(last.get("status", ""))
 
 
-async def save_image(docker, ref: str, path: str) -> int:
+async def save_image(docker: Docker, ref: str, path: str) -> int:
     """`docker save ref > path`; returns the archive's size."""
     from aiodocker.exceptions import DockerError
 
@@ -133,7 +138,7 @@ async def save_image(docker, ref: str, path: str) -> int:
     return n
 
 
-async def fetch_layer_file(js, digest: str, path: str) -> None:
+async def fetch_layer_file(js: JetStreamContext, digest: str, path: str) -> None:
     """Assemble a layer's EROFS file from the chunk store (for hosts without a node loader)."""
     from .layers import Catalog, ObjectStoreBackend
 
@@ -145,7 +150,8 @@ async def fetch_layer_file(js, digest: str, path: str) -> None:
             f.write(await backend.get(h))
 
 
-async def export_to_docker(js, name: str, ref: str | None = None, work_dir: str | None = None, docker=None) -> str:
+async def export_to_docker(js: JetStreamContext, name: str, ref: str | None = None, work_dir: str | None = None,
+                           docker: Docker | None = None) -> str:
     """corral image `name` -> Docker image `ref` (default `corral-image/<name>:<layers tag>`),
     fetching its layers from the chunk store and mounting them here (root). Returns the ref."""
     from .layers import Catalog, check_image_name
@@ -159,7 +165,7 @@ async def export_to_docker(js, name: str, ref: str | None = None, work_dir: str 
     tmp = tempfile.mkdtemp(prefix="corral-export-", dir=work_dir)
     mounted: list[str] = []
     try:
-        lowers = []
+        lowers: list[str] = []
         for i, d in enumerate(manifest.layers):
             f = os.path.join(tmp, f"{i}.erofs")
             await fetch_layer_file(js, d, f)

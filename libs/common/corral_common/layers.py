@@ -20,6 +20,8 @@ from collections.abc import Callable
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from .contract.errors import Internal, InvalidRequest, NotFound
 from .contract.images import CHUNK_BUCKET, DEFAULT_CHUNK, KV_IMAGES, KV_LAYERS, KV_TRACES, MAX_CHUNK, MIN_CHUNK, ImageManifest, LayerManifest, Trace
@@ -64,9 +66,9 @@ class ObjectStoreBackend(ChunkBackend):
     def __init__(self, js: JetStreamContext, bucket: str = CHUNK_BUCKET):
         self.js = js
         self.bucket = bucket
-        self._os = None
+        self._os: ObjectStore | None = None
 
-    async def _store(self):
+    async def _store(self) -> ObjectStore:
         if self._os is None:
             try:
                 self._os = await self.js.object_store(self.bucket)
@@ -85,6 +87,7 @@ class ObjectStoreBackend(ChunkBackend):
             if "not found" in str(e).lower() or type(e).__name__ == "ObjectNotFoundError":
                 raise NotFound(f"chunk {h} is not in the chunk store") from None
             raise
+        assert res.data is not None  # without `writeinto`, get answers the object's bytes
         return res.data
 
     async def put(self, h: str, data: bytes) -> None:
@@ -237,17 +240,36 @@ class Catalog:
 
     def __init__(self, js: JetStreamContext):
         self.js = js
-        self.images = None
-        self.layers = None
-        self.traces = None
+        self._images: KeyValue | None = None
+        self._layers: KeyValue | None = None
+        self._traces: KeyValue | None = None
 
     async def open(self) -> Catalog:
         from .bus import ensure_kv
 
-        self.images = await ensure_kv(self.js, KV_IMAGES, history=5)
-        self.layers = await ensure_kv(self.js, KV_LAYERS)
-        self.traces = await ensure_kv(self.js, KV_TRACES)
+        self._images = await ensure_kv(self.js, KV_IMAGES, history=5)
+        self._layers = await ensure_kv(self.js, KV_LAYERS)
+        self._traces = await ensure_kv(self.js, KV_TRACES)
         return self
+
+    @staticmethod
+    def _opened(kv: KeyValue | None) -> KeyValue:
+        """The buckets exist only after `open()` (it may have to create them)."""
+        if kv is None:
+            raise Internal("the image catalog is used before open()")
+        return kv
+
+    @property
+    def images(self) -> KeyValue:
+        return self._opened(self._images)
+
+    @property
+    def layers(self) -> KeyValue:
+        return self._opened(self._layers)
+
+    @property
+    def traces(self) -> KeyValue:
+        return self._opened(self._traces)
 
     async def image(self, name: str) -> ImageManifest:
         check_image_name(name)

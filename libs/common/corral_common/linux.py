@@ -95,7 +95,7 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
     how = struct.pack("QQQ", flags | os.O_CLOEXEC, mode, resolve)
     buf = ctypes.create_string_buffer(how)
     for _ in range(8):
-        fd = _libc.syscall(SYS_OPENAT2, dirfd, path.encode(), buf, len(how))
+        fd: int = _libc.syscall(SYS_OPENAT2, dirfd, path.encode(), buf, len(how))
         if fd >= 0:
             return fd
         e = ctypes.get_errno()
@@ -110,7 +110,7 @@ def open_tree_clone(path: str) -> int:
     any namespace lists. Sandboxes hold their roots this way: every mount in the host's table
     is copied into each new mount namespace, so host mounts per sandbox made `runc run` slower
     with every sandbox alive."""
-    fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)
+    fd: int = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)
     if fd < 0:
         e = ctypes.get_errno()
         raise OSError(e, f"open_tree {path}: {os.strerror(e)}")
@@ -119,7 +119,7 @@ def open_tree_clone(path: str) -> int:
 
 def pidfd_getfd(pidfd: int, fd: int) -> int:
     """A copy of another process's fd `fd` (pidfd_getfd(2); close-on-exec)."""
-    got = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+    got: int = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
     if got < 0:
         e = ctypes.get_errno()
         raise OSError(e, f"pidfd_getfd {fd}: {os.strerror(e)}")

@@ -55,5 +55,4 @@ def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
 
 
 def histogram(name: str, doc: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] | None = None) -> Histogram:
-    kw = {"buckets": buckets} if buckets else {}
-    return Histogram(name, doc, list(labels), registry=REGISTRY, **kw)
+    return Histogram(name, doc, list(labels), registry=REGISTRY, buckets=buckets or Histogram.DEFAULT_BUCKETS)

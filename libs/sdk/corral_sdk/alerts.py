@@ -75,7 +75,7 @@ class AlertSubscription:
             start = datetime.fromtimestamp(self.since, tz=timezone.utc).isoformat().replace("+00:00", "Z")
             js = nc.jetstream()
             for subj in self.subjects:
-                cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
+                cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)  # type: ignore[arg-type]  # nats-py types it datetime, but its as_dict passes the value to json.dumps as is: the server wants the RFC 3339 string
                 self._subs.append(await js.subscribe(subj, cb=self._on_msg, ordered_consumer=True, config=cfg))
         else:
             for subj in self.subjects:

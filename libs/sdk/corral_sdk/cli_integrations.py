@@ -6,6 +6,7 @@
 `register(app)` adds them to the `corral` CLI (cli.py calls it, like cli_substrates)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -38,7 +39,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         url = config.nats_url(nats)
 
-        async def run(stop) -> None:
+        async def run(stop: asyncio.Event) -> None:
             if transport == "stdio":
                 await mcp_server.serve_stdio(url, keep_sandboxes, stop=stop)
             else:

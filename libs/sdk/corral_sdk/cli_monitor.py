@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -23,6 +23,10 @@ from corral_common.contract.audit import QueryReply, QueryRequest
 from corral_common.contract.envelope import decode_reply
 from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import encoder
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.client import Client as ClickHouseClient
+    from nats.aio.client import Client as NATS
 
 QUERY_SUBJECT = subjects.MONITOR_QUERY
 alerts_app = typer.Typer(no_args_is_help=True, help="follow and list the monitor's alerts")
@@ -71,8 +75,8 @@ class Querier:
     def __init__(self, nats_url: str | None = None, clickhouse: str | None = None):
         self.nats_url = config.nats_url(nats_url)
         self.clickhouse = clickhouse
-        self._nc = None
-        self._ch = None
+        self._nc: NATS | None = None
+        self._ch: ClickHouseClient | None = None
 
     async def __aenter__(self) -> Querier:
         if self.clickhouse:
@@ -95,9 +99,9 @@ class Querier:
 
     async def query(self, sql: str, timeout: float = 30.0) -> tuple[list[str], list[list[Any]]]:
         if self._ch is not None:
-            r = await asyncio.to_thread(self._ch.query, sql, settings={"readonly": 1})
-            rows = [[v.timestamp() if hasattr(v, "timestamp") else v for v in row] for row in r.result_rows]
-            return list(r.column_names), rows
+            res = await asyncio.to_thread(self._ch.query, sql, settings={"readonly": 1})
+            rows = [[v.timestamp() if hasattr(v, "timestamp") else v for v in row] for row in res.result_rows]
+            return list(res.column_names), rows
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
@@ -186,8 +190,8 @@ def alerts_ls(
         where.append(f"job = {sql_str(job)}")
     if rule is not None:
         where.append(f"rule = {sql_str(rule)}")
-    if (t := parse_since(since)) is not None:
-        where.append(f"ts >= toDateTime64({t:.3f}, 3)")
+    if (since_ts := parse_since(since)) is not None:
+        where.append(f"ts >= toDateTime64({since_ts:.3f}, 3)")
     sql = (f"SELECT ts, severity, rule, sandbox, job, message FROM alerts FINAL WHERE {' AND '.join(where)} "
            f"ORDER BY ts DESC LIMIT {int(limit)}")
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import NoReturn
 
 import typer
 from rich.console import Console
 
 from corral_common import config
 from corral_common.contract.errors import CorralError
+from corral_common.contract.messages import ExecResult
 
 console = Console(stderr=True)
 
 
-def _fail(e: Exception, code: int = 1):
+def _fail(e: Exception | str, code: int = 1) -> NoReturn:
     console.print(f"[red]{e}[/red]")
     raise typer.Exit(code) from None
 
@@ -33,7 +35,7 @@ def register(app: typer.Typer, image_app: typer.Typer) -> None:
         """Run one command in a fresh sandbox that is gone afterwards (substrate `function` by default)."""
         from .client import AsyncClient
 
-        async def go():
+        async def go() -> ExecResult:
             c = await AsyncClient.connect(config.nats_url(nats))
             try:
                 return await c.run(cmd, image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, timeout_s=timeout_s)

@@ -7,7 +7,7 @@ import base64
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import nats
@@ -52,6 +52,11 @@ from corral_common.contract.replies import (
     SnapshotReply,
     decode_exec_frame,
 )
+
+if TYPE_CHECKING:
+    from .alerts import Alerts
+    from .envs import Envs
+    from .trajectory import Trajectories, Trajectory
 
 
 class AsyncClient:
@@ -123,7 +128,7 @@ class AsyncClient:
         return AsyncSandbox(self, r.sandbox)
 
     def trajectory(self, trajectory_id: str, image: str = "busybox", substrate: str = "container", *,
-                   snapshot_every: int = 10, keepalive_s: float | None = None, **kw: Any):
+                   snapshot_every: int = 10, keepalive_s: float | None = None, **kw: Any) -> Trajectory:
         """A resumable rollout: `async with client.trajectory("id", image="debian") as t: await t.exec(...)`."""
         from .trajectory import Trajectory
 
@@ -131,7 +136,7 @@ class AsyncClient:
         return Trajectory(self, trajectory_id, spec, snapshot_every=snapshot_every, keepalive_s=keepalive_s)
 
     @property
-    def trajectories(self):
+    def trajectories(self) -> Trajectories:
         from .trajectory import Trajectories
 
         return Trajectories(self)
@@ -221,14 +226,14 @@ class AsyncClient:
         return AsyncSandbox(self, SandboxInfo(id=sandbox_id, node="", state="running", substrate="container", image="", created_at=now, expires_at=now))
 
     @property
-    def envs(self):
+    def envs(self) -> Envs:
         """Environments: `await client.envs.build(spec)`, `.rollout(name)`, `.grade(sandbox)`, `.list()`."""
         from .envs import Envs
 
         return Envs(self)
 
     @property
-    def alerts(self):
+    def alerts(self) -> Alerts:
         """The monitor's alerts: `async with client.alerts.subscribe(job="j") as alerts: async for a in alerts: ...`."""
         from .alerts import Alerts
 

@@ -102,7 +102,7 @@ def function_source(fn: Any) -> tuple[str, str, bool]:
     return ast.unparse(node), node.name, isinstance(node, ast.AsyncFunctionDef)
 
 
-def encode_call(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], str]:
+def encode_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], str]:
     """The argv (`python3 -c PROGRAM`) and stdin (JSON arguments) that call fn(*args, **kwargs)."""
     source, name, is_async = function_source(fn)
     try:

@@ -166,6 +166,7 @@ def function_span(source: str, function: str, path: str = "<source>") -> tuple[i
     for line in source.splitlines(keepends=True):
         starts.append(starts[-1] + len(line))
     first = min([d.lineno] + [x.lineno for x in d.decorator_list])
+    assert d.end_lineno is not None  # ast.parse sets end positions on every statement
     return starts[first - 1], starts[d.end_lineno]
 
 
@@ -428,7 +429,7 @@ def _run_both(files: dict[str, str], pkg: PypiPackage, tests: list[str], buggy: 
     return run, mutated
 
 
-_MADE: dict[tuple, PypiEnv] = {}
+_MADE: dict[tuple[str, str, Mutation, str, str], PypiEnv] = {}
 
 
 def make_env_cached(pkg: PypiPackage, env_name: str, cache: str | None = None) -> PypiEnv:

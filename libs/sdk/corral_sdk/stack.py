@@ -13,9 +13,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import IO
 
 import msgspec
 import nats
+from nats.aio.msg import Msg
 
 from corral_common import extras
 from corral_common.contract import subjects
@@ -28,7 +30,8 @@ from . import stackguard
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def nats_server_binary() -> str:
@@ -44,7 +47,7 @@ def nats_server_binary() -> str:
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     metrics_url: str = ""
     argv: list[str] = field(default_factory=list)
 
@@ -69,7 +72,7 @@ class Stack:
     gateway_args: list[str] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
     ephemeral: bool = False  # data_dir is the owner's scratch: the guard removes it if the owner dies
-    guard: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    guard: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _guard_w: int | None = field(default=None, init=False, repr=False)  # the pipe end whose close tells the guard the owner is gone
 
     @property
@@ -80,7 +83,7 @@ class Stack:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port else ""
 
-    def _log(self, name: str):
+    def _log(self, name: str) -> IO[bytes]:
         d = self.log_dir or os.path.join(self.data_dir, "logs")
         os.makedirs(d, exist_ok=True)
         return open(os.path.join(d, f"{name}.log"), "ab")
@@ -267,7 +270,7 @@ class Stack:
         nc = await nats.connect(self.url, connect_timeout=5)
         seen: set[str] = set()
 
-        async def on_hb(msg) -> None:
+        async def on_hb(msg: Msg) -> None:
             try:
                 seen.add(msgspec.json.decode(msg.data, type=Heartbeat).node)
             except msgspec.DecodeError:  # not a heartbeat this SDK can read: not a node it waits for

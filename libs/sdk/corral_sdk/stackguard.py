@@ -30,6 +30,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 BYE = b"bye\n"
 
@@ -72,7 +73,7 @@ def sweep_cgroups(data_dir: str, nodes: int) -> None:
                         pass  # gone meanwhile; a frozen survivor is killed below anyway (SIGKILL is queued)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            pids = set()
+            pids: set[int] = set()
             for top in tops:
                 for d, _, _ in os.walk(top):
                     try:
@@ -145,7 +146,7 @@ def stop_all(procs: list[Tracked], timeout: float) -> None:
             select.select([p.fd], [], [], 10)
 
 
-def watch(stream, data_dir: str, nodes: int, timeout: float, remove_data_dir: bool) -> int:
+def watch(stream: Iterable[bytes], data_dir: str, nodes: int, timeout: float, remove_data_dir: bool) -> int:
     """Read registrations until EOF; then stop the stack unless the owner said bye."""
     procs: list[Tracked] = []
     clean = False

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from corral_common.contract.messages import AuditState, ChangesReply, ExecChunk, ExecResult, SandboxInfo
 
@@ -26,8 +26,16 @@ class _Loop:
             return cls._loop
 
 
-def _run(coro) -> Any:
+T = TypeVar("T")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run_coroutine_threadsafe(coro, _Loop.get()).result()
+
+
+async def _next(it: AsyncIterator[T]) -> T:
+    """A coroutine for `_run` (an async iterator's `__anext__` is only typed as an Awaitable)."""
+    return await it.__anext__()
 
 
 class Client:
@@ -102,7 +110,7 @@ class Sandbox:
         agen = self._a.exec_stream(cmd, **kw)
         while True:
             try:
-                yield _run(agen.__anext__())
+                yield _run(_next(agen))
             except StopAsyncIteration:
                 return
 

@@ -11,6 +11,7 @@ re-run on the node before the rollout continues."""
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 from typing import TYPE_CHECKING, Any
 
@@ -46,14 +47,14 @@ class Trajectories:
     async def list(self, prefix: str = "") -> list[TrajMeta]:
         return (await self.client.request(subjects.TRAJ_LIST, TrajListRequest(prefix=prefix), TrajListReply, 30.0)).trajectories
 
-    async def get(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
+    async def get(self, tid: str) -> tuple[TrajMeta, builtins.list[TrajEntry]]:
         """The trajectory and its 20 most recent steps."""
         r = await self.client.request(subjects.TRAJ_GET, TrajGetRequest(id=tid), TrajGetReply, 30.0)
         return r.trajectory, r.recent
 
-    async def entries(self, tid: str) -> tuple[TrajMeta, list[TrajEntry]]:
+    async def entries(self, tid: str) -> tuple[TrajMeta, builtins.list[TrajEntry]]:
         """The trajectory and every logged step, fetched in pages."""
-        out: list[TrajEntry] = []
+        out: builtins.list[TrajEntry] = []
         step = 0
         while True:
             r = await self.client.request(subjects.TRAJ_GET, TrajGetRequest(id=tid, from_step=step), TrajGetReply, 30.0)
@@ -81,7 +82,7 @@ class Trajectory:
         self.lost_wait_s = 60.0
         self._log: dict[int, TrajEntry] = {}
         self.fast_forwarded = 0
-        self._keepalive: asyncio.Task | None = None
+        self._keepalive: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Trajectory:
         await self.open()

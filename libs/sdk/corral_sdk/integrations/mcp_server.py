@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -66,7 +66,13 @@ async def toolbox(nats_url: str | None, keep_sandboxes: bool = False) -> AsyncIt
             await client.close()
 
 
-async def _until(work: asyncio.Task, stop: asyncio.Event | None) -> None:
+@contextlib.contextmanager
+def _no_signal_capture() -> Iterator[None]:
+    """uvicorn's capture_signals for a server whose caller owns SIGINT/SIGTERM: leaves them alone."""
+    yield
+
+
+async def _until(work: asyncio.Task[None], stop: asyncio.Event | None) -> None:
     """Wait for `work`; when `stop` is set first, cancel it (its cleanup still runs)."""
     waiter = asyncio.create_task(stop.wait()) if stop is not None else None
     try:
@@ -103,7 +109,7 @@ async def serve_http(nats_url: str | None, host: str, port: int, keep_sandboxes:
     async with toolbox(nats_url, keep_sandboxes) as tb:
         app = build_server(tb).streamable_http_app(host=host)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # the caller owns SIGINT/SIGTERM
+        server.capture_signals = _no_signal_capture  # type: ignore[method-assign]  # the caller owns SIGINT/SIGTERM
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.02)  # uvicorn offers no started event

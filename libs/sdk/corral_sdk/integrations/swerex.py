@@ -192,7 +192,7 @@ class CorralRuntime(AbstractRuntime):
         self._sessions[request.session] = request
         return CreateBashSessionResponse(output=r.stdout + r.stderr)
 
-    async def run_in_session(self, action: BashAction | BashInterruptAction) -> BashObservation:  # type: ignore[override]
+    async def run_in_session(self, action: BashAction | BashInterruptAction) -> BashObservation:
         if action.session not in self._sessions:
             raise SessionDoesNotExistError(f"session {action.session!r} does not exist")
         if isinstance(action, BashInterruptAction):
@@ -218,7 +218,7 @@ class CorralRuntime(AbstractRuntime):
             raise NonZeroExitCodeError(f"{action.error_msg}: {msg}" if action.error_msg else msg)
         return BashObservation(output=output, exit_code=r.exit_code)
 
-    async def close_session(self, request: CloseSessionRequest) -> CloseBashSessionResponse:  # type: ignore[override]
+    async def close_session(self, request: CloseSessionRequest) -> CloseBashSessionResponse:
         if request.session not in self._sessions:
             raise SessionDoesNotExistError(f"session {request.session!r} does not exist")
         del self._sessions[request.session]
@@ -296,7 +296,7 @@ class CorralRuntime(AbstractRuntime):
     async def _put_parts(self, data: bytes) -> list[str]:
         """`data` in /tmp of the sandbox as parts of at most one message each; their paths, in order."""
         prefix, size = f"/tmp/.corral-upload-{secrets.token_hex(6)}", self._part_size()
-        paths = []
+        paths: list[str] = []
         for i in range(0, max(len(data), 1), size):
             paths.append(f"{prefix}.{len(paths)}")
             await self._io(self.sandbox.files.write(paths[-1], data[i:i + size], 0o600))
@@ -350,13 +350,13 @@ class CorralDeployment(AbstractDeployment):
     @property
     def sandbox(self) -> AsyncSandbox:
         if self._sandbox is None:
-            raise DeploymentNotStartedError()
+            raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]  # swe-rex leaves its __init__ unannotated
         return self._sandbox
 
     @property
     def runtime(self) -> CorralRuntime:
         if self._runtime is None:
-            raise DeploymentNotStartedError()
+            raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]  # swe-rex leaves its __init__ unannotated
         return self._runtime
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
@@ -397,4 +397,4 @@ class CorralDeployment(AbstractDeployment):
         # AbstractDeployment.__del__ schedules stop() on whatever loop is current; only worth it
         # when a sandbox is still held
         if getattr(self, "_sandbox", None) is not None:
-            super().__del__()
+            super().__del__()  # type: ignore[no-untyped-call]  # swe-rex leaves __del__ unannotated

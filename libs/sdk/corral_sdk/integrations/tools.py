@@ -9,6 +9,7 @@ server turns into an `isError` result the model can read and act on."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -94,7 +95,7 @@ BY_NAME = {t.name: t for t in TOOLS}
 def input_schema(args: type) -> dict[str, Any]:
     """The args Struct's JSON schema, inlined (no $ref: function-calling APIs want a plain object)."""
     schema = msgspec.json.schema(args)
-    root = schema["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+    root: dict[str, Any] = schema["$defs"][schema["$ref"].rsplit("/", 1)[1]]
     root.pop("title", None)
     if "$ref" in msgspec.json.encode(root).decode():
         raise TypeError(f"{args.__name__}: tool arguments must be flat (no nested Structs)")
@@ -126,7 +127,8 @@ def _failed(code: str, message: str) -> ToolResult:
 
 
 def _struct_dict(s: Struct) -> dict[str, Any]:
-    return msgspec.to_builtins(s)
+    d: dict[str, Any] = msgspec.to_builtins(s)
+    return d
 
 
 class Toolbox:
@@ -143,6 +145,7 @@ class Toolbox:
         tool = BY_NAME.get(name)
         if tool is None:
             return _failed("invalid_request", f"unknown tool {name!r}; the tools are {', '.join(BY_NAME)}")
+        args: Struct
         try:
             if isinstance(arguments, (str, bytes)):
                 args = msgspec.json.decode(arguments or b"{}", type=tool.args)
@@ -151,7 +154,8 @@ class Toolbox:
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             return _failed("invalid_request", f"{name}: bad arguments: {e}")
         try:
-            return await getattr(self, f"_{name}")(args)
+            run: Callable[[Struct], Awaitable[ToolResult]] = getattr(self, f"_{name}")  # the method named for the tool, taking its args Struct
+            return await run(args)
         except CorralError as e:
             return _failed(e.code.value, e.message)
 
