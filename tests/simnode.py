@@ -26,9 +26,9 @@ from corral_common.contract.messages import (
     NodeUsage,
     SandboxInfo,
     encoder,
-    error,
-    ok,
 )
+from corral_common.contract.envelope import encode, error
+from corral_common.contract.replies import NodeBatchReply, NodeCreateReply
 
 _batch_decoder = msgspec.json.Decoder(NodeCreateBatch)
 _create_decoder = msgspec.json.Decoder(NodeCreate)
@@ -106,7 +106,7 @@ class SimNode:
     async def _on_create(self, msg) -> None:
         req = _create_decoder.decode(msg.data)
         if req.sandbox_id in self.sandboxes:
-            await msg.respond(ok(sandbox=self.sandboxes[req.sandbox_id]))
+            await msg.respond(encode(NodeCreateReply(sandbox=self.sandboxes[req.sandbox_id])))
             return
         if self._full(req.spec.cpu, req.spec.memory_mb):
             await msg.respond(error("capacity", f"sim node {self.name} is full", 1.0))
@@ -132,7 +132,7 @@ class SimNode:
             await self.heartbeat()
         if self.late is not None:
             await self.late.wait()
-        await msg.respond(ok(sandbox=info, counted_at=counted_at))
+        await msg.respond(encode(NodeCreateReply(sandbox=info, counted_at=counted_at)))
 
     def _drop(self, info: SandboxInfo) -> None:
         self.sandboxes.pop(info.id, None)
@@ -178,7 +178,7 @@ class SimNode:
                     results[k] = NodeItemResult(ok=False, error=ErrorBody(code="unavailable", message=f"placement not recorded: {d}"))
             else:
                 results[k] = NodeItemResult(ok=True, sandbox=info)
-        await msg.respond(ok(results=results))
+        await msg.respond(encode(NodeBatchReply(results=results)))
 
     async def _claim(self, infos: list[SandboxInfo]) -> list[BaseException | None]:
         """KV create (compare-and-set on "no such key") for every placement at once: one pipelined
