@@ -16,6 +16,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from corral_common import bus
 from corral_common.contract import subjects
+from corral_common.contract.envelope import encode, error
 from corral_common.contract.messages import (
     ErrorBody,
     Heartbeat,
@@ -27,7 +28,6 @@ from corral_common.contract.messages import (
     SandboxInfo,
     encoder,
 )
-from corral_common.contract.envelope import encode, error
 from corral_common.contract.replies import NodeBatchReply, NodeCreateReply
 
 _batch_decoder = msgspec.json.Decoder(NodeCreateBatch)
