@@ -138,6 +138,7 @@ async def bench(args, results: dict[str, Any], docker_image: str | None) -> None
 
     from corral_common.contract import labels, subjects
     from corral_common.contract.messages import ExecRequest, RunRequest, RunSpec, encoder
+    from corral_common.contract.replies import RunReply
     from corral_gateway.languages import LANGUAGES, WORKDIR, program
     from corral_gateway.runner import ADAPTER, MAX_OUTPUT
     from corral_sdk import AsyncClient
@@ -159,7 +160,7 @@ async def bench(args, results: dict[str, Any], docker_image: str | None) -> None
             payload = encoder.encode(RunRequest(spec=spec, exec=ExecRequest(cmd=prog.argv, stdin=stdin, env=prog.env, timeout_s=60,
                                                                              max_output_bytes=MAX_OUTPUT)))
             t0 = time.perf_counter()
-            r = await client.request(subjects.SANDBOX_RUN, payload, 120)
+            r = await client.request(subjects.SANDBOX_RUN, payload, RunReply, 120)
             ms = (time.perf_counter() - t0) * 1000
             if r.result is None or r.result.stdout != want:
                 raise RuntimeError(f"direct run answered {r.result}")

@@ -15,11 +15,10 @@ import posixpath
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
 from corral_common.contract import labels, subjects
 from corral_common.contract.errors import InvalidRequest, NotFound
 from corral_common.contract.messages import ExecRequest, ExecResult, RunRequest, RunSpec, SandboxSpec, encoder
+from corral_common.contract.replies import RunReply
 from corral_sdk.client import AsyncClient
 
 from .admission import Admission
@@ -48,14 +47,6 @@ class Outcome:
     response: RunCodeResponse
     bus_s: float  # time spent waiting on the bus (the rest is the gateway's own)
     substrate: str
-
-
-class RunReply(msgspec.Struct):
-    """`corral.v1.sandbox.run`'s success reply."""
-
-    result: ExecResult
-    sandbox_id: str = ""
-    node: str = ""
 
 
 def _files(req: RunCodeRequest) -> dict[str, str]:
@@ -113,9 +104,8 @@ class Runner:
         ex = ExecRequest(cmd=prog.argv, stdin=req.stdin or "", env=prog.env, timeout_s=req.run_timeout, max_output_bytes=MAX_OUTPUT)
         payload = encoder.encode(RunRequest(spec=spec, exec=ex))
         t0 = time.perf_counter()
-        r = await self.admission.run(lambda: self.client.request(subjects.SANDBOX_RUN, payload, req.run_timeout + 45, raw=True))
+        reply = await self.admission.run(lambda: self.client.request(subjects.SANDBOX_RUN, payload, RunReply, req.run_timeout + 45))
         bus_s = time.perf_counter() - t0
-        reply = msgspec.convert(r.raw, RunReply)
         return Outcome(self._response(reply.result, f"{reply.node}/{reply.sandbox_id}", {}), bus_s, "function")
 
     async def _run_container(self, req: RunCodeRequest, prog: Program, memory: int, fetch: list[str]) -> Outcome:
