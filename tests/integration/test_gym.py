@@ -1,4 +1,4 @@
-"""corral_sdk.gym against the session stack: the Gymnasium env (gymnasium.make and the env checker)
+"""corral_sdk.integrations.gym against the session stack: the Gymnasium env (gymnasium.make and the env checker)
 and the asyncio one. An episode is one rollout of the demo environment: reset gives the task,
 step runs a command and observes its output with reward 0, the submit action (or the step limit)
 ends it with the grade's reward."""
@@ -14,7 +14,7 @@ from gymnasium.utils.env_checker import check_env
 from corral_common.contract.errors import InvalidRequest
 from corral_sdk.demo_env import demo_spec
 from corral_sdk.demo_policies import FIX_BY_PYTHON
-from corral_sdk.gym import ENV_ID, REPLACEMENT, AsyncCorralEnv, CorralEnv
+from corral_sdk.integrations.gym import ENV_ID, REPLACEMENT, AsyncCorralEnv, CorralEnv
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 ENV = "calc-gym"

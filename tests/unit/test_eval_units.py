@@ -9,7 +9,7 @@ import pytest
 
 from corral_common.contract.errors import InvalidRequest
 from corral_sdk.eval import load_policy, pct
-from corral_sdk.gym import CHARSET, REPLACEMENT, observation_space, to_text
+from corral_sdk.integrations.gym import CHARSET, REPLACEMENT, observation_space, to_text
 from corral_sdk.swebench_import import SwebenchInstance, env_name, patch_paths, read_instances, swebench_fields
 
 

@@ -25,16 +25,15 @@ from __future__ import annotations
 import string
 from typing import Any
 
-import numpy as np
-
 from corral_common import extras
 from corral_common.contract.envs import EnvGradeResult, EnvRecord
 from corral_common.contract.errors import CorralError, InvalidRequest
 
-from .client import AsyncClient, AsyncSandbox
-from .eval import Task, task_for
+from ..client import AsyncClient, AsyncSandbox
+from ..eval import Task, task_for
 
-gymnasium = extras.require("gymnasium", "rl", "corral_sdk.gym")
+gymnasium = extras.require("gymnasium", "rl", "corral_sdk.integrations.gym")
+import numpy as np  # noqa: E402  (gymnasium's own dependency: present once the require above passed)
 from gymnasium import spaces  # noqa: E402  (after the clear error when gymnasium is missing)
 
 REPLACEMENT = "\ufffd"
@@ -151,7 +150,7 @@ class CorralEnv(gymnasium.Env):
 
     def __init__(self, env: str, version: str = "", *, nats_url: str | None = None, client: AsyncClient | None = None,
                  **kw: Any):
-        from .sync import _run
+        from ..sync import _run
 
         self._run = _run
         self._own = client is None
@@ -182,4 +181,4 @@ class CorralEnv(gymnasium.Env):
             self._client = None  # type: ignore[assignment]
 
 
-gymnasium.register(id=ENV_ID, entry_point="corral_sdk.gym:CorralEnv", disable_env_checker=False)
+gymnasium.register(id=ENV_ID, entry_point="corral_sdk.integrations.gym:CorralEnv", disable_env_checker=False)
