@@ -319,7 +319,7 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
         try:
             await _until(claims_settled, timeout=20, what="claims settled")
         except AssertionError:
-            raise AssertionError(f"a claim is left in `creating`: {settled[-1]}") from None
+            raise AssertionError(f"a claim is left in `creating`: {settled[-1]} (interrupted {left}, adopted {adopted})") from None
         assert json.loads((await kv.get(taken)).value)["node"] == "node-elsewhere"
         try:
             await kv.get(stale)

@@ -148,7 +148,8 @@ class Heartbeats:
         After the first heartbeat of an agent that adopted sandboxes, and after a gap in our own
         heartbeats long enough for the scheduler to have declared the node lost (the process was
         stopped or starved; the lost event itself may have been missed over a reconnect), the
-        placements of live sandboxes are checked and written back where they are missing."""
+        placements of live sandboxes are checked and written back where they are missing (or still
+        hold this node's own batch claim)."""
         collecting: asyncio.Task | None = None
         first = True
         last = time.monotonic()
@@ -183,13 +184,15 @@ class Heartbeats:
                 for sb, _ in self.table.live_items():
                     await self.placements.written(sb.id)
                     try:
-                        owner = await self.placements.owner(sb.id)
+                        stored = await self.placements.stored(sb.id)
                     except Exception as e:
                         logs.kv(log, logging.WARNING, "placement not checked", sandbox=sb.id, error=str(e))
                         continue
-                    if owner == self.node:
+                    # our own batch claim (`creating`) of a sandbox made just before a kill cut
+                    # off its placement write is not a placement: it is replaced like a missing one
+                    if stored is not None and stored.node == self.node and stored.state != "creating":
                         continue
-                    if owner is not None:
+                    if stored is not None and stored.node != self.node:
                         logs.kv(log, logging.WARNING, "placement names another node; not overwritten", sandbox=sb.id)
                         continue
                     if not self.table.is_live(sb.id):

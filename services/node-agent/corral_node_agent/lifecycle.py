@@ -112,6 +112,8 @@ class Lifecycle:
             adopted, report = await sub.reconcile()
             self.adopted += len(adopted)
             for sb in adopted:
+                if sb.info.state == "creating":  # killed after the sandbox was up, before its record said so
+                    sb.info.state = "running"
                 await self.audit.adopt(sb, sub)
                 await self.register(sb, sub)
                 await self.events.of(sb, "ready", reason="adopted after node-agent restart")

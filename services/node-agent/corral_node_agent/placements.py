@@ -67,26 +67,24 @@ class Placements:
         """claim.py: "" when the placement is this node's now, else the owner's name."""
         return await claim_placement(self.kv, info)
 
-    async def owner(self, sid: str) -> str | None:
-        """The node the stored placement names ("" if unreadable), None when there is none."""
+    async def stored(self, sid: str) -> Stored | None:
+        """Whose the stored placement is and in what state (node "" if unreadable); None when
+        there is none."""
         try:
             e = await self.kv.get(sid)
         except KeyNotFoundError:
             return None
         if e is None or not e.value:
             return None
-        return _info_node(e.value)
+        try:
+            return _stored.decode(e.value)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return Stored()
 
 
-class _NodeOf(msgspec.Struct, forbid_unknown_fields=False):
+class Stored(msgspec.Struct, forbid_unknown_fields=False):
     node: str = ""
+    state: str = ""
 
 
-_node_of = msgspec.json.Decoder(_NodeOf)
-
-
-def _info_node(data: bytes) -> str:
-    try:
-        return _node_of.decode(data).node
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return ""
+_stored = msgspec.json.Decoder(Stored)
