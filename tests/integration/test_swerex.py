@@ -65,7 +65,9 @@ async def test_swe_agent_style_session_edits_a_repository_and_runs_its_tests(dep
     await rt.create_session(CreateBashSessionRequest(startup_source=["/root/.bashrc"], session="default"))
     with pytest.raises(SessionExistsError):
         await rt.create_session(CreateBashSessionRequest(session="default"))
-    await rt.run_in_session(run("export PAGER=cat GIT_PAGER=cat && cd /repo"))
+    # no bytecode cache: the sed edit below keeps calc.py's size and can land in the same second as
+    # the first pytest run, and Python would then trust the stale .pyc (mtime+size) and test old code
+    await rt.run_in_session(run("export PAGER=cat GIT_PAGER=cat PYTHONDONTWRITEBYTECODE=1 && cd /repo"))
     await rt.run_in_session(run("git init -q && git add -A && git -c user.name=a -c user.email=a@b commit -qm base && echo committed"))
     obs = await rt.run_in_session(run("pwd; [[ $BASH_VERSION == 5* ]] && echo bash; echo $PAGER"))
     assert obs.output.splitlines() == ["/repo", "bash", "cat"] and obs.exit_code == 0
