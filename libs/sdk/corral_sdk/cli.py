@@ -6,7 +6,8 @@ import asyncio
 import os
 import re
 import sys
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import msgspec
 import typer
@@ -19,6 +20,12 @@ from corral_common.contract.envelope import R
 from corral_common.contract.errors import CorralError, InvalidRequest
 from corral_common.contract.images import ImageDeleteReply, ImageListReply, ImportReply, ImportRequest, InspectReply, NameRequest
 from corral_common.contract.messages import Empty
+
+if TYPE_CHECKING:
+    from .client import AsyncClient
+    from .sync import Client
+
+T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="corral: sandboxes for training and evaluating AI agents")
 sandbox_app = typer.Typer(no_args_is_help=True, help="create, exec in, list and remove sandboxes")
@@ -93,7 +100,7 @@ def up(
     run_until_signalled(run)
 
 
-def _client():
+def _client() -> Client:
     from .sync import Client
 
     try:
@@ -103,7 +110,7 @@ def _client():
         raise typer.Exit(2) from None
 
 
-def _fail(e: CorralError) -> None:
+def _fail(e: CorralError) -> NoReturn:
     console.print(f"[red]{e.code.value}[/red]: {e.message}")
     raise typer.Exit(1)
 
@@ -306,12 +313,12 @@ def image_rm(names: list[str]) -> None:
         print(f"{n}: freed {r.freed_layers} layer(s), {r.freed_chunks} chunk(s)")
 
 
-def _traj_run(coro_fn):
+def _traj_run(coro_fn: Callable[[AsyncClient], Awaitable[T]]) -> T:
     import asyncio
 
     from .client import AsyncClient
 
-    async def go():
+    async def go() -> T:
         c = await AsyncClient.connect(config.nats_url(None))
         try:
             return await coro_fn(c)
@@ -354,7 +361,7 @@ def traj_show(trajectory_id: str) -> None:
 def traj_rm(trajectory_ids: list[str]) -> None:
     """Delete trajectory logs (and their snapshot images)."""
     for tid in trajectory_ids:
-        _traj_run(lambda c, t=tid: c.trajectories.delete(t))
+        _traj_run(lambda c: c.trajectories.delete(tid))  # run to completion here, before the loop rebinds tid
         print(tid)
 
 

@@ -17,7 +17,8 @@ import json
 import os
 import sys
 import tomllib
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import msgspec
 import typer
@@ -26,14 +27,19 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from corral_common import config
-from corral_common.contract.envs import EnvSpec
+from corral_common.contract.envs import EnvBuildResult, EnvSpec
 from corral_common.contract.errors import CorralError, InvalidRequest
+
+if TYPE_CHECKING:
+    from .client import AsyncClient
+
+T = TypeVar("T")
 
 console = Console(stderr=True)
 env_app = typer.Typer(no_args_is_help=True, help="build, list, show, grade and remove environments")
 
 
-def _fail(e: Exception, code: int = 1):
+def _fail(e: Exception, code: int = 1) -> NoReturn:
     console.print(f"[red]{e}[/red]")
     raise typer.Exit(code) from None
 
@@ -81,10 +87,10 @@ def _ref(ref: str) -> tuple[str, str]:
     return name, version
 
 
-def _run(fn, nats: str | None):
+def _run(fn: Callable[[AsyncClient], Awaitable[T]], nats: str | None) -> T:
     from .client import AsyncClient
 
-    async def go():
+    async def go() -> T:
         c = await AsyncClient.connect(config.nats_url(nats))
         try:
             return await fn(c)
@@ -110,7 +116,7 @@ def build(spec_file: str, job: str = typer.Option("", help="quotas and rate limi
     except (OSError, ValueError, CorralError) as e:
         _fail(e, 2)
 
-    async def go(c):
+    async def go(c: AsyncClient) -> EnvBuildResult:
         progress = Progress(TextColumn(f"build {spec.name}"), BarColumn(), TextColumn("{task.fields[stage]}"), TimeElapsedColumn(),
                             console=console)
         with progress:
@@ -192,7 +198,7 @@ def rm(ref: str, nats: str = typer.Option(None)) -> None:
     print(ref)
 
 
-def register(app: typer.Typer, passthrough: dict) -> None:
+def register(app: typer.Typer, passthrough: dict[str, object]) -> None:
     from .cli_swebench import register as register_swebench
 
     register_swebench(env_app)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import TypedDict
 
 import msgspec
 from rich.console import Console
@@ -23,7 +24,7 @@ from corral_common import extras
 from corral_common.contract.errors import CorralError
 
 from .cli_eval import run_with_progress
-from .client import AsyncClient
+from .client import AsyncClient, AsyncSandbox
 from .demo_env import demo_spec
 from .demo_policies import POLICIES, Policy
 from .eval import NamedPolicy, RolloutResult, Task
@@ -32,6 +33,42 @@ from .stack import Stack, free_port
 
 ENV = "calc-median"
 JOB = "demo"
+
+
+class DemoRow(TypedDict):
+    """A rollout in the demo's report: eval's row and what the demo expected of its policy."""
+
+    i: int
+    policy: str
+    kind: str
+    expect_reward: float
+    expect_rule: str
+    sandbox: str
+    create_s: float
+    agent_s: float
+    grade_s: float
+    grader_s: float
+    total_s: float
+    reward: float | None
+    passed: bool | None
+    reason: str
+    alerts: list[str]
+    discarded: list[str]
+    tests: dict[str, str]  # short test name -> outcome
+    as_expected: bool
+
+
+class PolicyRow(TypedDict):
+    """One policy's rollouts, summed up."""
+
+    policy: str
+    kind: str
+    rollouts: int
+    mean_reward: float
+    tests_passed: int
+    flagged: int
+    rules: list[str]
+    as_expected: int
 
 
 async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report: str | None, parallel: int,
@@ -61,7 +98,7 @@ async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report
         console.print("stack stopped; every sandbox destroyed")
 
 
-async def _build(client: AsyncClient, console: Console) -> dict:
+async def _build(client: AsyncClient, console: Console) -> dict[str, object]:
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[stage]}"), TimeElapsedColumn(),
                         console=console)
     with progress:
@@ -82,23 +119,23 @@ async def _build(client: AsyncClient, console: Console) -> dict:
 
 def _scripted(policy: Policy) -> NamedPolicy:
     """A demo policy as an eval policy: the scripted ones need only the sandbox."""
-    async def act(sb, task: Task) -> None:
+    async def act(sb: AsyncSandbox, task: Task) -> None:
         await policy.act(sb)
 
     return NamedPolicy(policy.name, act)
 
 
-def _row(r: RolloutResult, policy: Policy) -> dict:
+def _row(r: RolloutResult, policy: Policy) -> DemoRow:
     """An eval row with what the demo expected of its policy (the demo's report rows)."""
-    row: dict = {"i": r.i, "policy": policy.name, "kind": policy.kind, "expect_reward": policy.expect_reward,
-                 "expect_rule": policy.expect_rule, "sandbox": r.sandbox, "create_s": r.create_s, "agent_s": r.agent_s,
-                 "grade_s": r.grade_s, "grader_s": r.grader_s, "total_s": r.total_s, "reward": r.reward, "passed": r.passed,
-                 "reason": r.reason or f"error: {r.error}", "alerts": r.rules, "discarded": r.discarded,
-                 "tests": {short_test(t.id): t.outcome for t in r.tests}}
-    caught = policy.expect_rule in row["alerts"] if policy.expect_rule else True
-    false_alarm = policy.kind != "cheat" and bool(row["alerts"])
-    row["as_expected"] = row["reward"] == policy.expect_reward and caught and not false_alarm
-    return row
+    alerts = r.rules
+    caught = policy.expect_rule in alerts if policy.expect_rule else True
+    false_alarm = policy.kind != "cheat" and bool(alerts)
+    return {"i": r.i, "policy": policy.name, "kind": policy.kind, "expect_reward": policy.expect_reward,
+            "expect_rule": policy.expect_rule, "sandbox": r.sandbox, "create_s": r.create_s, "agent_s": r.agent_s,
+            "grade_s": r.grade_s, "grader_s": r.grader_s, "total_s": r.total_s, "reward": r.reward, "passed": r.passed,
+            "reason": r.reason or f"error: {r.error}", "alerts": alerts, "discarded": r.discarded,
+            "tests": {short_test(t.id): t.outcome for t in r.tests},
+            "as_expected": r.reward == policy.expect_reward and caught and not false_alarm}
 
 
 async def _job(client: AsyncClient, count: int, parallel: int, report: str, console: Console) -> int:
@@ -113,7 +150,7 @@ async def _job(client: AsyncClient, count: int, parallel: int, report: str, cons
     ok_n = sum(r["as_expected"] for r in rows)
     cheats = [r for r in rows if r["kind"] == "cheat"]
     honest = [r for r in rows if r["kind"] == "honest"]
-    summary = {
+    summary: dict[str, object] = {
         "rollouts": count, "as_expected": ok_n, "unexpected": count - ok_n, "wall_s": round(wall, 2), "concurrency": parallel,
         "rollouts_per_s": rep.summary.rollouts_per_s, "left_behind": left,
         "honest_rewarded": sum(r["reward"] == 1.0 for r in honest), "honest": len(honest),
@@ -138,7 +175,7 @@ async def _job(client: AsyncClient, count: int, parallel: int, report: str, cons
     return 0 if ok_n == count and not left else 1
 
 
-def _print_rows(rows: list[dict], console: Console) -> None:
+def _print_rows(rows: list[DemoRow], console: Console) -> None:
     t = Table("#", "policy", "reward", "tests (passed/named)", "discarded", "alerts", "s", "",
               title="rollouts (per-test outcomes, discarded paths and reasons in the JSON report)")
     for r in rows:
@@ -152,8 +189,8 @@ def _print_rows(rows: list[dict], console: Console) -> None:
     console.print(t)
 
 
-def _per_policy(rows: list[dict]) -> list[dict]:
-    out = []
+def _per_policy(rows: list[DemoRow]) -> list[PolicyRow]:
+    out: list[PolicyRow] = []
     for p in POLICIES:
         rs = [r for r in rows if r["policy"] == p.name]
         if not rs:
@@ -165,7 +202,7 @@ def _per_policy(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _print_policies(per: list[dict], console: Console) -> None:
+def _print_policies(per: list[PolicyRow], console: Console) -> None:
     t = Table("policy", "n", "reward", "tests ok", "flagged", "rules", "expected", title="per policy")
     for p in per:
         t.add_row(p["policy"], str(p["rollouts"]), f"{p['mean_reward']:.2f}", str(p["tests_passed"]),
@@ -173,7 +210,7 @@ def _print_policies(per: list[dict], console: Console) -> None:
     console.print(t)
 
 
-def _plot(per: list[dict], summary: dict, path: str) -> None:
+def _plot(per: list[PolicyRow], summary: dict[str, object], path: str) -> None:
     matplotlib = extras.require("matplotlib", "bench", "the demo's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -4,6 +4,7 @@ Builds are long (set-up, a snapshot, four verification sandboxes): `build()` wai
 and, when given `progress=`, calls it with every EnvProgress the builder publishes meanwhile."""
 from __future__ import annotations
 
+import builtins
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ from corral_common.contract.envs import (
 from corral_common.contract.messages import SandboxSpec
 
 if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
     from .client import AsyncClient, AsyncSandbox
 
 ProgressCallback = Callable[[EnvProgress], Awaitable[None] | None]
@@ -41,7 +44,7 @@ class Envs:
     def __init__(self, client: AsyncClient):
         self.client = client
 
-    async def build(self, spec: EnvSpec | dict, *, job: str = "", progress: ProgressCallback | None = None,
+    async def build(self, spec: EnvSpec | dict[str, Any], *, job: str = "", progress: ProgressCallback | None = None,
                     timeout: float = 1800.0) -> EnvBuildResult:
         """Build and verify; `result.accepted` says whether it entered the catalog, `result.report`
         says which check failed and why."""
@@ -50,7 +53,7 @@ class Envs:
         build_id = f"b-{secrets.token_hex(6)}"
         sub = None
         if progress is not None:
-            async def on_msg(msg) -> None:
+            async def on_msg(msg: Msg) -> None:
                 try:
                     ev = msgspec.json.decode(msg.data, type=EnvProgress)
                 except msgspec.DecodeError:
@@ -73,7 +76,7 @@ class Envs:
     async def get(self, name: str, version: str = "") -> EnvRecord:
         return (await self.client.request(subjects.ENV_GET, EnvRef(name=name, version=version), EnvGetReply, 30)).env
 
-    async def versions(self, name: str) -> list[str]:
+    async def versions(self, name: str) -> builtins.list[str]:
         return (await self.client.request(subjects.ENV_GET, EnvRef(name=name), EnvGetReply, 30)).versions
 
     async def delete(self, name: str, version: str = "") -> None:
@@ -92,11 +95,10 @@ class Envs:
         """`rollout` of a record already fetched (`get`): many rollouts of one version cost one
         catalog lookup, not one each."""
         lim = env.limits
-        base = dict(image=env.image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
-                    ttl_s=lim.ttl_s, workdir=env.workdir, job=job, canaries=env.canaries,
-                    labels={**(labels or {}), ENV_LABEL: env.name, ENV_VERSION_LABEL: env.version})
-        base.update(spec)
-        return await self.client.create_spec(SandboxSpec(**base), wait_for_capacity_s=wait_for_capacity_s)
+        base = SandboxSpec(image=env.image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
+                           ttl_s=lim.ttl_s, workdir=env.workdir, job=job, canaries=env.canaries,
+                           labels={**(labels or {}), ENV_LABEL: env.name, ENV_VERSION_LABEL: env.version})
+        return await self.client.create_spec(msgspec.structs.replace(base, **spec), wait_for_capacity_s=wait_for_capacity_s)
 
     async def grade(self, sandbox: AsyncSandbox | str, *, destroy: bool = False, fail_on: str = "high",
                     require_monitor: bool = True, alert_wait_s: float = 10.0, timeout: float = 600.0,

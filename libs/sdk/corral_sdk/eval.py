@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import cast
 
 import msgspec
 
@@ -146,7 +147,7 @@ def load_policy(ref: str) -> NamedPolicy:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise InvalidRequest(f"--policy {ref!r}: cannot import {mod_name!r}: {e}") from None
-    fn = mod
+    fn: object = mod
     for part in fn_name.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
@@ -155,7 +156,7 @@ def load_policy(ref: str) -> NamedPolicy:
         raise InvalidRequest(f"--policy {ref!r}: {fn_name} is not callable")
     if not inspect.iscoroutinefunction(fn) and not inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         raise InvalidRequest(f"--policy {ref!r}: {fn_name} must be an async function (sandbox, task) -> None")
-    return NamedPolicy(fn_name, fn)  # type: ignore[arg-type]
+    return NamedPolicy(fn_name, cast(Policy, fn))  # an async callable, checked just above
 
 
 def task_for(env: EnvRecord, i: int) -> Task:

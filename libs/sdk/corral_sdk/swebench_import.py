@@ -117,7 +117,7 @@ def find_repo(repo_dir: str, repo: str) -> str:
     raise InvalidRequest(f"repo {repo!r}: no git repository at {repo_dir} or under it ({', '.join(candidates[1:])})")
 
 
-def _git(cwd: str, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def _git(cwd: str, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(["git", *args], cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300)
     if check and r.returncode != 0:
         raise InvalidRequest(f"git {' '.join(args[:2])} failed: {(r.stderr or r.stdout).strip()[-500:]}")

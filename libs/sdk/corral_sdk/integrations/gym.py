@@ -34,7 +34,7 @@ from ..eval import Task, task_for
 
 gymnasium = extras.require("gymnasium", "rl", "corral_sdk.integrations.gym")
 import numpy as np  # noqa: E402  (gymnasium's own dependency: present once the require above passed)
-from gymnasium import spaces  # noqa: E402  (after the clear error when gymnasium is missing)
+from gymnasium import Env, spaces  # noqa: E402  (after the clear error when gymnasium is missing)
 
 REPLACEMENT = "\ufffd"
 CHARSET = frozenset(string.printable + REPLACEMENT)
@@ -141,12 +141,12 @@ async def _destroy(sb: AsyncSandbox) -> None:
         pass  # gone already (ttl, or the grader destroyed it): nothing left to free
 
 
-class CorralEnv(gymnasium.Env):
+class CorralEnv(Env[dict[str, Any], str]):
     """`gymnasium.Env` over AsyncCorralEnv, run on the SDK's background event loop. Give `client`
     (an AsyncClient on that loop) or `nats_url` (default $CORRAL_NATS_URL): then the env opens its
     own connection and closes it in `close()`."""
 
-    metadata = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(self, env: str, version: str = "", *, nats_url: str | None = None, client: AsyncClient | None = None,
                  **kw: Any):
