@@ -109,7 +109,10 @@ async def test_changes_while_a_background_process_keeps_writing(client):
     """The walk freezes the sandbox: a writer churning files cannot break it, and runs on after."""
     sb = await client.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600)
     try:
-        await sb.exec("mkdir /churn && (i=0; while :; do i=$((i+1)); echo $i > /churn/n; echo x >> /churn/log; "
+        # /churn/n is replaced by rename (atomic): a walk of a frozen sandbox then always finds a
+        # whole number in it; with `echo $i > n` a freeze between its truncate and its write would
+        # rightly show an empty file
+        await sb.exec("mkdir /churn && (i=0; while :; do i=$((i+1)); echo $i > /churn/n.new; mv /churn/n.new /churn/n; echo x >> /churn/log; "
                       "touch /churn/f$((i % 50)); rm -f /churn/f$(((i + 25) % 50)); done) >/dev/null 2>&1 &")
         for _ in range(5):
             reply = await sb.changes(include=["/churn"])
