@@ -63,7 +63,7 @@ def test_unknown_image_lists_available(tmp_path):
     store.ensure("busybox")
     with pytest.raises(NotFound, match="unknown image 'nope'; available: busybox"):
         store.path("nope")
-    with pytest.raises(NotFound, match="built-in: busybox, debian"):
+    with pytest.raises(NotFound, match="built-in: browser, busybox, debian"):
         store.ensure("nope")
     with pytest.raises(NotFound, match="not built yet"):
         store.path("debian")

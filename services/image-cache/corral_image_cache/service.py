@@ -135,8 +135,8 @@ class ImageCache:
         uploaded = 0
         src = req.source
         if src == "builtin":
-            if req.name not in ("busybox", "debian"):
-                raise InvalidRequest(f"no built-in image {req.name!r}; built-ins: busybox, debian")
+            if req.name not in builtin.BUILDERS:
+                raise InvalidRequest(f"no built-in image {req.name!r}; built-ins: {', '.join(builtin.BUILDERS)}")
             try:
                 await self.catalog.delete_image(req.name)
             except NotFound:

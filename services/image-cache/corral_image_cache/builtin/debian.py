@@ -1,5 +1,6 @@
 """The built-in `debian` image: debootstrap minbase of DEBIAN_SUITE with DEBIAN_PACKAGES from the
-machine's own Debian mirror, with progress read from debootstrap's output (~60 s, ~290 MB).
+machine's own Debian mirror, with progress read from debootstrap's output (~60 s, ~290 MB); and
+`browser`, the same with Chromium (~70 s, ~1 GB).
 
 Its recipe (suite, variant, packages) is digested into image.json, so a change here rebuilds the
 image once on every machine that has the older one."""
@@ -26,10 +27,19 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_FALLBACK_MIRROR = "http://deb.debian.org/debian"
 # python3-pytest: environments whose tests are pytest suites run them with the image's own pytest
 DEBIAN_PACKAGES = ("python3", "git", "python3-pytest")
+# the `browser` image: debian plus headless Chromium (driven over the DevTools protocol through a
+# port forwarded over the bus, docs/integrations.md). debootstrap resolves Depends but not
+# alternatives: dconf-service needs `dbus-session-bus`, which dbus-x11 provides without systemd
+BROWSER_PACKAGES = (*DEBIAN_PACKAGES, "chromium", "fonts-dejavu-core", "dbus-x11")
 
 
-def debian_recipe() -> str:
-    return f"debootstrap --variant=minbase {DEBIAN_SUITE} include={','.join(sorted(DEBIAN_PACKAGES))}"
+def debian_recipe(packages: tuple[str, ...] | None = None) -> str:
+    pkgs = DEBIAN_PACKAGES if packages is None else packages  # read at call time (the tests vary it)
+    return f"debootstrap --variant=minbase {DEBIAN_SUITE} include={','.join(sorted(pkgs))}"
+
+
+def browser_recipe() -> str:
+    return debian_recipe(BROWSER_PACKAGES)
 
 
 # ---------------------------------------------------------------- debian
@@ -227,17 +237,21 @@ def _clean_apt(rootfs: str) -> None:
             os.unlink(p)
 
 
-def build_debian(rootfs: str, progress: Progress | None = None) -> str:
+def build_browser(rootfs: str, progress: Progress | None = None) -> str:
+    return build_debian(rootfs, progress, BROWSER_PACKAGES)
+
+
+def build_debian(rootfs: str, progress: Progress | None = None, packages: tuple[str, ...] = DEBIAN_PACKAGES) -> str:
     deb = shutil.which("debootstrap", path="/usr/sbin:/sbin:/usr/bin:/bin:" + os.environ.get("PATH", ""))
     if not deb:
         raise Internal("debootstrap not found: install the debootstrap package")
     mirror = apt_mirror(DEBIAN_SUITE)
-    args = ["--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE]
+    args = ["--variant=minbase", f"--include={','.join(packages)}", DEBIAN_SUITE]
     if progress:
         progress(f"debootstrap {DEBIAN_SUITE} from {mirror}", 0.0)
     env = dict(os.environ, LC_ALL="C", LANG="C", DEBIAN_FRONTEND="noninteractive",
                PATH="/usr/sbin:/usr/bin:/sbin:/bin")
-    tracker = DebootstrapProgress()
+    tracker = DebootstrapProgress(130 if packages == DEBIAN_PACKAGES else 330)
     tail: collections.deque[str] = collections.deque(maxlen=30)
     proc = subprocess.Popen(
         [deb, *args, rootfs, mirror], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

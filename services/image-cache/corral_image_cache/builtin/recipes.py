@@ -9,17 +9,18 @@ import hashlib
 from typing import Callable
 
 from .busybox import build_busybox
-from .debian import build_debian, debian_recipe
+from .debian import browser_recipe, build_browser, build_debian, debian_recipe
 
 Progress = Callable[[str, "float | None"], None]
 
 BUILDERS: dict[str, Callable[[str, "Progress | None"], str]] = {
     "busybox": build_busybox,
     "debian": build_debian,
+    "browser": build_browser,
 }
 
 # images whose content is chosen here (busybox is whatever the host has: no recipe)
-RECIPES: dict[str, Callable[[], str]] = {"debian": debian_recipe}
+RECIPES: dict[str, Callable[[], str]] = {"debian": debian_recipe, "browser": browser_recipe}
 
 
 def recipe(name: str) -> str | None:
