@@ -70,8 +70,8 @@ def test_every_subject_has_its_types():
     assert len(request_subjects) >= 20
     missing = [s for s in request_subjects if s not in names]
     assert not missing, f"subjects without an Operation in contract/operations.py: {missing}"
-    ops = {o.subject.rsplit(".", 2)[-2] + "." + o.subject.rsplit(".", 2)[-1] if o.subject.endswith(".read") or o.subject.endswith(".write")
-           else o.subject.rsplit(".", 1)[-1] for o in operations.OPERATIONS if "{sandbox_id}" in o.subject and o.service == "node-agent"}
+    ops = {o.subject.split("{sandbox_id}.", 1)[1] for o in operations.OPERATIONS
+           if "{sandbox_id}" in o.subject and o.service == "node-agent"}
     assert set(subjects.SANDBOX_OPS) <= ops, set(subjects.SANDBOX_OPS) - ops
     buckets = {b.name for b in operations.BUCKETS}
     kv_names = [v for k, v in [*vars(subjects).items(), *vars(images).items()] if k.startswith("KV_") and isinstance(v, str)]

@@ -7,6 +7,10 @@ import ctypes.util
 import errno
 import os
 import struct
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -191,29 +195,30 @@ def set_hostname(pid: int, name: str) -> None:
         os.close(nsfd)
 
 
-def loopback_up(pid: int) -> None:
-    """Bring `lo` up in the network namespace of `pid`.
+def in_netns(pid: int, fn: Callable[[], T], pidfd: int | None = None) -> T:
+    """`fn()` run inside the network namespace of `pid`, its result handed back.
 
-    runc leaves a fresh netns with lo down; tests and servers inside a sandbox need 127.0.0.1.
-    setns(CLONE_NEWNET) only moves the calling thread, so a throwaway thread does it and then
-    ends, leaving the agent's own threads in the host namespace."""
-    import fcntl
-    import socket
+    setns(CLONE_NEWNET) only moves the calling thread, so a throwaway thread goes in, runs fn
+    and ends: the agent's own threads never leave the host namespace, even if fn fails. A socket
+    made there stays in that namespace for life, whichever thread later uses it. With `pidfd`
+    (the same process), the namespace is checked to still be that process's after it was opened:
+    a pid reused by another process would otherwise hand over a stranger's namespace."""
+    import signal
     import threading
 
+    out: list[T] = []
     err: list[BaseException] = []
 
     def run() -> None:
         try:
             nsfd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
+                if pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, 0)  # ProcessLookupError: it exited, pid maybe reused
                 setns(nsfd, CLONE_NEWNET)
             finally:
                 os.close(nsfd)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                req = struct.pack("16sH14x", b"lo", 0)
-                flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
-                fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+            out.append(fn())
         except BaseException as e:  # reported to the caller
             err.append(e)
 
@@ -222,3 +227,19 @@ def loopback_up(pid: int) -> None:
     t.join()
     if err:
         raise err[0]
+    return out[0]
+
+
+def loopback_up(pid: int) -> None:
+    """Bring `lo` up in the network namespace of `pid`: runc leaves a fresh netns with lo down;
+    tests and servers inside a sandbox need 127.0.0.1."""
+    import fcntl
+    import socket
+
+    def up() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("16sH14x", b"lo", 0)
+            flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+            fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+    in_netns(pid, up)

@@ -202,6 +202,41 @@ def sandbox_rm(sandbox_ids: list[str], all_: bool = typer.Option(False, "--all",
     raise typer.Exit(rc)
 
 
+@sandbox_app.command("port-forward")
+def sandbox_port_forward(sandbox_id: str, port: int,
+                         local_port: int = typer.Option(0, help="local port to listen on (0: any free one)"),
+                         host: str = typer.Option("127.0.0.1", help="local address to listen on")) -> None:
+    """Forward a local port to a port on the sandbox's loopback, over the bus (until Ctrl-C).
+
+    E.g. `corral sandbox port-forward sb-123 9222 --local-port 9222`, then point a DevTools
+    client (Playwright's connect_over_cdp) at http://127.0.0.1:9222."""
+    from corral_common.lifecycle import run_until_signalled
+
+    from .client import AsyncClient
+
+    async def run(stop: asyncio.Event) -> None:
+        c = await AsyncClient.connect(config.nats_url(None))
+        try:
+            sb = c.sandbox(sandbox_id)
+            await sb.refresh()  # a missing sandbox fails here, not at the first connection
+            fwd = await sb.forward(port, local_port, host)
+            console.print(f"forwarding {fwd.address} -> {sandbox_id}:127.0.0.1:{port} (Ctrl-C to stop)")
+            try:
+                await stop.wait()
+            finally:
+                await fwd.close()
+        finally:
+            await c.close()
+
+    try:
+        run_until_signalled(run)
+    except CorralError as e:
+        _fail(e)
+    except OSError as e:
+        console.print(f"[red]cannot listen on {host}:{local_port}[/red]: {e}")
+        raise typer.Exit(1) from None
+
+
 @app.command(context_settings=PASSTHROUGH)
 def gateway(ctx: typer.Context) -> None:
     """Serve the SandboxFusion API (POST /run_code) over HTTP, run on corral (`corral gateway --help` for its options)."""
@@ -256,7 +291,7 @@ def _image_call(subject: str, body: Any, typ: type[R], timeout: float = 600.0) -
 @image_app.command("build")
 def image_build(name: str, image_dir: str = typer.Option(None), load: bool = typer.Option(
         True, help="import into the running stack's image-cache afterwards (if one answers)")) -> None:
-    """Build a built-in image (busybox, debian) on this machine, with progress, and import it."""
+    """Build a built-in image (busybox, debian, browser) on this machine, with progress, and import it."""
     import subprocess
 
     rc = subprocess.call([sys.executable, "-m", "corral_image_cache.builtin", "build", name, "--root", _image_root(image_dir)])

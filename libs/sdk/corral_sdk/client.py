@@ -53,6 +53,9 @@ from corral_common.contract.replies import (
     decode_exec_frame,
 )
 
+from . import ports
+from .ports import PortForward
+
 if TYPE_CHECKING:
     from .alerts import Alerts
     from .envs import Envs
@@ -325,6 +328,15 @@ class AsyncSandbox:
         argv, stdin = functions.encode_call(fn, args, kwargs)
         r = await self.exec(argv, stdin=stdin, timeout_s=timeout_s, max_output_bytes=functions.MAX_OUTPUT)
         return functions.decode_result(r, fn)
+
+    async def forward(self, port: int, local_port: int = 0, host: str = "127.0.0.1") -> PortForward:
+        """Listen on host:local_port (0: a free port, see `.local_port`); each connection reaches
+        127.0.0.1:`port` inside the sandbox over the bus. `close()` it, or `async with` it."""
+        return await PortForward(self, port, local_port, host).start()
+
+    async def connect_port(self, port: int, timeout: float = 30.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """One TCP stream to 127.0.0.1:`port` inside the sandbox, over the bus."""
+        return await ports.connect_port(self, port, timeout)
 
     async def refresh(self, timeout: float = 30.0) -> SandboxInfo:
         r = await self._call("info", Empty(), InfoReply, timeout=timeout)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from corral_common.contract.messages import AuditState, ChangesReply, ExecChunk, ExecResult, SandboxInfo
 
+from . import ports
 from .client import AsyncClient, AsyncSandbox
 
 
@@ -86,6 +87,30 @@ class Files:
         _run(self._sb.files.write(path, content, mode))
 
 
+class PortForward:
+    """A port forward served by the background loop (see ports.PortForward)."""
+
+    def __init__(self, fwd: ports.PortForward):
+        self._f = fwd
+
+    @property
+    def local_port(self) -> int:
+        return self._f.local_port
+
+    @property
+    def address(self) -> str:
+        return self._f.address
+
+    def close(self) -> None:
+        _run(self._f.close())
+
+    def __enter__(self) -> PortForward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Sandbox:
     def __init__(self, asb: AsyncSandbox):
         self._a = asb
@@ -113,6 +138,10 @@ class Sandbox:
                 yield _run(_next(agen))
             except StopAsyncIteration:
                 return
+
+    def forward(self, port: int, local_port: int = 0, host: str = "127.0.0.1") -> PortForward:
+        """Listen on host:local_port; each connection reaches `port` inside the sandbox (close it when done)."""
+        return PortForward(_run(self._a.forward(port, local_port, host)))
 
     def renew(self, ttl_s: float | None = None) -> SandboxInfo:
         return _run(self._a.renew(ttl_s))

@@ -12,7 +12,7 @@ and serves their handlers, then stops them in order. The rooms:
 - heartbeats.py: usage, heartbeats, write-back after the node was declared lost;
 - lifecycle.py: register, adopt, expire, destroy;
 - audit/: the audit sources and their wiring to sandboxes;
-- warm.py, snapshot.py, events.py;
+- warm.py, snapshot.py, events.py, tunnels.py (port forwards);
 - handlers/: create (single and batch), run, exec, trajectories, sandbox operations."""
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from .snapshot import Snapshots
 from .substrates import REGISTRY
 from .table import SandboxTable, node_capacity
 from .trajectory import TrajectoryLog
+from .tunnels import Tunnels
 from .warm import Warm
 from .warmpool import PoolConfig
 
@@ -113,11 +114,13 @@ class NodeAgent:
         self.heartbeats = Heartbeats(nc, self.node, self.table, self.placements, events, self.audit,
                                      lambda: self.warm.pool if self.warm else None, self.cfg.heartbeat_s, self.cfg.usage_top, metrics_url)
         self.warm = Warm(self.node, self.cfg.warm_pool, self.table, self.audit, catalog, lambda: self.heartbeats.observed_mem_mb)
-        self.lifecycle = Lifecycle(nc, self.node, self.table, self.audit, self.placements, events, self.responder, self.heartbeats.usage)
+        self.tunnels = Tunnels(nc, self.node, self.audit)
+        self.lifecycle = Lifecycle(nc, self.node, self.table, self.audit, self.placements, events, self.responder,
+                                   self.heartbeats.usage, self.tunnels)
         snapshots = Snapshots(nc, js, self.node, self.state_dir)
         trajectories = Trajectories(nc, self.node, await TrajectoryLog(js).open(), snapshots)
         ops = SandboxOps(self.table, self.lifecycle, self.audit, self.placements, snapshots,
-                         trajectories.replay(Exec(nc, self.node, self.audit)), trajectories)
+                         trajectories.replay(Exec(nc, self.node, self.audit)), trajectories, self.tunnels)
         self.lifecycle.handler_for = ops.handler
         create = Create(nc, self.node, self.table, catalog, self.warm, self.audit, self.placements, events, self.lifecycle)
         # the scheduler declared this node lost (it missed our heartbeats: paused, overloaded,
@@ -163,6 +166,7 @@ class NodeAgent:
             deadline = time.monotonic() + 120
             while table.destroying and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
+        await self.tunnels.close()  # those of sandboxes kept for a successor
         await self.responder.drain(timeout=5)
         self.heartbeats.close()
         self.lifecycle.cancel()

@@ -20,6 +20,7 @@ from .placements import Placements
 from .substrates import Substrate
 from .substrates.base import Sandbox
 from .table import SandboxTable
+from .tunnels import Tunnels
 from .usage import UsageTracker
 
 log = logging.getLogger("corral.node")
@@ -29,7 +30,7 @@ DESTROY_SECONDS = metrics.histogram("corral_sandbox_destroy_seconds", "Time to d
 
 class Lifecycle:
     def __init__(self, nc: NATS, node: str, table: SandboxTable, audit: AuditWiring, placements: Placements, events: Events,
-                 responder: bus.Responder, usage: UsageTracker):
+                 responder: bus.Responder, usage: UsageTracker, tunnels: Tunnels):
         self.nc = nc
         self.node = node
         self.table = table
@@ -38,6 +39,7 @@ class Lifecycle:
         self.events = events
         self.responder = responder
         self.usage = usage  # the heartbeats' per-sandbox usage (a destroyed sandbox is forgotten)
+        self.tunnels = tunnels  # its port forwards end first (their close is audited)
         #: the handler of a sandbox's operations (handlers/ops.py), set by the agent once built
         self.handler_for: Callable[[str], bus.Handler] | None = None
         self.adopted = 0  # sandboxes adopted at start
@@ -80,6 +82,7 @@ class Lifecycle:
         t0 = time.perf_counter()
         try:
             await self.responder.unserve(sid)
+            await self.tunnels.close_sandbox(sid, f"sandbox destroyed ({reason})")
             await self.audit.release(sid)
             await sub.destroy(sb)
         finally:

@@ -183,6 +183,18 @@ class RenewRequest(Request, kw_only=True):
     ttl_s: Annotated[float, Meta(gt=0, le=7 * 86400)] | None = None  # default: the sandbox's own ttl_s
 
 
+# ----- port forwarding: a TCP stream to a port inside a sandbox, over the bus -----
+
+#: a client's own inbox (what every NATS client's new_inbox() makes): the node publishes the
+#: sandbox's bytes there, so it can never be pointed at a corral subject or a stream's
+InboxSubject = Annotated[str, Meta(max_length=256, pattern=r"^_INBOX(\.[A-Za-z0-9_-]+)+$")]
+
+
+class PortOpenRequest(Request, kw_only=True):
+    port: Annotated[int, Meta(ge=1, le=65535)]  # on 127.0.0.1 inside the sandbox
+    reply_to: InboxSubject  # subscribe it first: frames may arrive before the reply
+
+
 # ----- trajectories (resume after preemption) -----
 
 TrajId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]

@@ -69,6 +69,8 @@ _sandbox_ops: list[tuple[str, type, type, str]] = [
     ("restore", messages.RestoreRequest, replies.RestoreReply, "Re-run a trajectory's logged steps after its last snapshot"),
     ("changes", messages.ChangesRequest, messages.ChangesReply, "What the sandbox changed against its image, read outside it"),
     ("audit", messages.Empty, messages.AuditState, "Publish the sandbox's audit so far; how far and what was lost"),
+    ("port.open", messages.PortOpenRequest, replies.PortOpenReply,
+     "Open a TCP stream to a port on the sandbox's loopback, carried over the bus (container substrate)"),
 ]
 
 

@@ -89,6 +89,13 @@ class FileWriteReply(Reply, kw_only=True):
     size: int
 
 
+class PortOpenReply(Reply, kw_only=True):
+    """A port forward is open: publish the client's frames to `tunnel` (corral_common/tunnel.py)."""
+    tunnel: str
+    window: int  # bytes a sender may have unacknowledged
+    chunk: int  # the largest data frame, bytes
+
+
 class DestroyReply(Reply, kw_only=True):
     sandbox_id: str
 

@@ -14,7 +14,7 @@ SANDBOX_LIST = f"{PREFIX}.sandbox.list"
 SANDBOX_RUN = f"{PREFIX}.sandbox.run"  # one-shot: create, exec once, destroy (the `function` substrate)
 
 SANDBOX_OPS = ("exec", "files.read", "files.write", "info", "destroy", "snapshot", "pause", "resume", "renew", "restore",
-               "changes", "audit")
+               "changes", "audit", "port.open")
 
 # audit messages the monitor could not decode or kept failing on, with headers saying why
 DEADLETTER = "corral.monitor.deadletter"
@@ -39,6 +39,12 @@ def traj_all(trajectory: str) -> str:
 
 def sandbox_op(sandbox_id: str, op: str) -> str:
     return f"{PREFIX}.sandbox.{sandbox_id}.{op}"
+
+
+def tunnel(token: str) -> str:
+    """Where a port forward's client sends its bytes; the node holding the sandbox listens
+    (`port.open` answers it; frames in corral_common/tunnel.py)."""
+    return f"{PREFIX}.tunnel.{token}"
 
 
 def sandbox_all(sandbox_id: str) -> str:

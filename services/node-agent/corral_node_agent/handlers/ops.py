@@ -42,6 +42,7 @@ from ..snapshot import Snapshots
 from ..substrates import Substrate
 from ..substrates.base import Sandbox
 from ..table import SandboxTable
+from ..tunnels import Tunnels
 from .exec import ExecFn
 from .traj import Trajectories
 
@@ -54,7 +55,7 @@ class _Empty(msgspec.Struct, forbid_unknown_fields=False):
 
 class SandboxOps:
     def __init__(self, table: SandboxTable, lifecycle: Lifecycle, audit: AuditWiring, placements: Placements,
-                 snapshots: Snapshots, exec_: ExecFn, trajectories: Trajectories):
+                 snapshots: Snapshots, exec_: ExecFn, trajectories: Trajectories, tunnels: Tunnels):
         self.table = table
         self.lifecycle = lifecycle
         self.audit = audit
@@ -74,6 +75,7 @@ class SandboxOps:
             "audit": self._audit,
             "renew": self._renew,
             "restore": trajectories.restore,
+            "port.open": tunnels.on_open,
         }
 
     def handler(self, sid: str) -> bus.Handler:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, ClassVar
@@ -117,6 +118,12 @@ class Substrate(abc.ABC):
         """For substrates that `snapshots_itself`: the sandbox as the image `name` (registered in
         the catalog), its top layer and the bytes uploaded."""
         raise InvalidRequest(f"substrate {self.name!r} does not make its own snapshot images")
+
+    async def connect_port(self, sb: Sandbox, port: int) -> socket.socket:
+        """A non-blocking TCP socket connected to 127.0.0.1:`port` in the sandbox's own network
+        namespace: the node's end of a port forward. It opens no route into the sandbox; the
+        bytes travel over the bus (corral_common/tunnel.py)."""
+        raise InvalidRequest(f"substrate {self.name!r} cannot forward ports (the container substrate can)")
 
     def take_notify_fd(self, sb: Sandbox) -> int | None:
         """For substrates that `supports_seccomp_notify`: the seccomp notify fd of a sandbox

@@ -358,6 +358,28 @@ class ContainerSubstrate(Substrate):
         assert isinstance(sb, ContainerSandbox)
         await asyncio.to_thread(confine.write, sb.rootfs, path, data, mode, make_parents)
 
+    async def connect_port(self, sb: Sandbox, port: int) -> socket.socket:
+        assert isinstance(sb, ContainerSandbox)
+        if sb.pidfd is None:
+            raise Unavailable(f"sandbox {sb.id}'s init cannot be tracked; its network cannot be entered safely")
+
+        def make() -> socket.socket:
+            return socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+
+        try:
+            s = await asyncio.to_thread(linux.in_netns, sb.init_pid, make, sb.pidfd)
+        except ProcessLookupError:
+            raise Unavailable(f"sandbox {sb.id} has exited") from None
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", port)), 10)
+        except ConnectionRefusedError:
+            s.close()
+            raise Unavailable(f"nothing listens on 127.0.0.1:{port} inside sandbox {sb.id} (yet)") from None
+        except (TimeoutError, OSError) as e:
+            s.close()
+            raise Unavailable(f"cannot connect to 127.0.0.1:{port} inside sandbox {sb.id}: {e or 'timed out'}") from None
+        return s
+
     # ------------------------------------------------------------------ pause / usage
 
     async def pause(self, sb: Sandbox) -> None:
