@@ -117,6 +117,7 @@ EXPECTED_SYSCALLS = {
     "bpf": ("bpf", None), "perf_event_open": ("perf_event_open", None), "keyctl": ("keyctl", None),
     "userfaultfd": ("userfaultfd", None), "FS_IOC_FIEMAP": ("ioctl", "FS_IOC_FIEMAP"),
     "FS_IOC_GETFSMAP": ("ioctl", "FS_IOC_GETFSMAP"), "mount": ("mount", None), "unshare": ("unshare", None),
+    "FS_IOC_FIEMAP_HIGH": ("ioctl", "FS_IOC_FIEMAP"),  # the request's upper 32 bits set: the same ioctl
 }
 
 

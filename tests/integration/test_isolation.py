@@ -10,8 +10,10 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from urllib.parse import urlparse
 
@@ -421,6 +423,30 @@ async def test_seccomp_blocks_mount_and_namespaces(sandbox):
     r = await ok(sandbox, "grep -c ' /mnt ' /proc/mounts || true; readlink /proc/self/ns/user")
     assert r.stdout.split()[0] == "0", r
     assert r.stdout.split()[1] == os.readlink("/proc/self/ns/user"), "no new user namespace may exist"
+
+
+async def test_seccomp_denies_by_default(sandbox):
+    """An allowlist, not a denylist: a syscall on no list (get_mempolicy, harmless and allowed to
+    any process on the host) fails; io_uring (whose submissions would bypass the filter) is ENOSYS
+    so runtimes fall back; vsock sockets and personality flags beyond Docker's are refused; the
+    ordinary calls still work."""
+    if not shutil.which("gcc"):
+        pytest.fail("gcc is needed to build the test program (apt-get install gcc)")
+    d = tempfile.mkdtemp(prefix="crl-dd-")
+    try:
+        subprocess.run(["gcc", "-static", "-O1", "-o", f"{d}/dd", f"{os.path.dirname(__file__)}/data/default_deny.c"],
+                       check=True, capture_output=True)
+        with open(f"{d}/dd", "rb") as f:
+            await sandbox.files.write("/tmp/default_deny", f.read(), mode=0o755)
+        # on the host the kernel itself allows get_mempolicy: the refusal inside is the policy's
+        host = subprocess.run([f"{d}/dd"], capture_output=True, text=True, check=True).stdout
+        assert dict(line.split() for line in host.strip().splitlines())["get_mempolicy"] == "0", host
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    r = await ok(sandbox, "/tmp/default_deny")
+    got = dict(line.split() for line in r.stdout.strip().splitlines())
+    assert got == {"get_mempolicy": "1", "io_uring_setup": "38", "socket_vsock": "1", "personality_no_randomize": "1",
+                   "personality_query": "0", "socket_unix": "0", "getpid": "0"}, got
 
 
 async def test_sandbox_cannot_kill_or_inspect_its_helper(sandbox):

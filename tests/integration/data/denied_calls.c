@@ -44,6 +44,8 @@ int main(void) {
     struct fsmap_head *fsm = calloc(1, sizeof(*fsm) + 8 * sizeof(struct fsmap));
     fsm->fmh_count = 8; fsm->fmh_keys[1].fmr_device = ~0U; fsm->fmh_keys[1].fmr_physical = ~0ULL;
     errno = 0; report("FS_IOC_GETFSMAP", ioctl(fd, FS_IOC_GETFSMAP, fsm));
+    /* ioctl's request is an int: the same FIEMAP with the upper half set must still be denied */
+    errno = 0; report("FS_IOC_FIEMAP_HIGH", syscall(SYS_ioctl, fd, 0xFFFFFFFF00000000UL | FS_IOC_FIEMAP, fm));
     errno = 0; report("mount", mount("x", "/mnt", "tmpfs", 0, NULL));
     errno = 0; report("unshare", unshare(CLONE_NEWNS));
     return 0;
