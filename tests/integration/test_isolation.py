@@ -9,10 +9,12 @@ import glob
 import hashlib
 import os
 import re
+import resource
 import secrets
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from urllib.parse import urlparse
@@ -447,6 +449,23 @@ async def test_seccomp_denies_by_default(sandbox):
     got = dict(line.split() for line in r.stdout.strip().splitlines())
     assert got == {"get_mempolicy": "1", "io_uring_setup": "38", "socket_vsock": "1", "personality_no_randomize": "1",
                    "personality_query": "0", "socket_unix": "0", "getpid": "0"}, got
+
+
+async def test_rlimits_and_no_swap(sandbox):
+    """No core dumps (a crash would write the process's memory into the sandbox), a bounded number
+    of open files that cannot be raised, and memory+swap capped at the memory limit."""
+    r = await ok(sandbox, "ulimit -c; ulimit -n; ulimit -Hn; (ulimit -n 100000) 2>&1; echo rc=$?; "
+                          "(ulimit -c unlimited) 2>&1; echo rc=$?")
+    lines = r.stdout.split("\n")
+    # 65536, unless the node-agent could not raise its own hard limit that far (a host without
+    # CAP_SYS_RESOURCE: then the sandbox gets the agent's own)
+    can_raise = subprocess.run([sys.executable, "-c", "import resource as r; r.setrlimit(r.RLIMIT_NOFILE, (65536, 65536))"],
+                               capture_output=True).returncode == 0
+    nofile = 65536 if can_raise else min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    assert lines[:3] == ["0", str(nofile), str(nofile)], r
+    assert r.stdout.count("rc=0") == 0, f"a sandbox raised its own rlimit: {r}"
+    limit = cg_read(sandbox, "memory", "memory.limit_in_bytes")
+    assert cg_read(sandbox, "memory", "memory.memsw.limit_in_bytes") == limit
 
 
 async def test_sandbox_cannot_kill_or_inspect_its_helper(sandbox):

@@ -740,6 +740,12 @@ async def test_docker_limits_and_labels(docker_client, docker_stack, docker_env)
         assert hc["NanoCpus"] == 500_000_000 and hc["Memory"] == 96 << 20 and hc["PidsLimit"] == 50, hc
         assert hc["NetworkMode"] == "none" and hc["CapDrop"] == ["ALL"] and "no-new-privileges" in hc["SecurityOpt"], hc
         assert hc["ReadonlyRootfs"] is False and hc["Privileged"] is False
+        assert hc["MemorySwap"] == 96 << 20  # memory+swap = memory: no swap
+        limits = {u["Name"]: (u["Soft"], u["Hard"]) for u in hc["Ulimits"]}
+        nofile = limits["nofile"][0]
+        assert limits == {"core": (0, 0), "nofile": (nofile, nofile)} and 1024 <= nofile <= 65536, limits
+        r = await sb.exec("ulimit -c; ulimit -n")
+        assert r.stdout.split() == ["0", str(nofile)], r
         labels = info["Config"]["Labels"]
         assert labels[DOCKER_NODE] == "node-1" and labels[DOCKER_SANDBOX] == sb.id and labels[DOCKER_JOB] == "dj"
         assert info["Config"]["Hostname"] == sb.id

@@ -30,6 +30,7 @@ from corral_common.contract import subjects
 from corral_common.contract.replies import NodePingReply
 from corral_common.layers import Catalog
 
+from . import oci
 from .audit.wiring import AuditWiring
 from .events import Events
 from .handlers.batch import BatchCreate, clean_claims
@@ -87,6 +88,7 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         os.makedirs(self.state_dir, exist_ok=True)
+        oci.raise_own_nofile()
         # teardowns, file ops and audit-mark updates block in threads (syscalls, runc delete):
         # more than the default cpu+4 workers, so a burst of destroys does not stall the rest
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(16, thread_name_prefix="node"))

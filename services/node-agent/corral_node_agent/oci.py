@@ -7,6 +7,7 @@ sideways (by handle, by block map) denied and reported, and everything else (new
 included) refused with EPERM. The same policy serves every substrate (container, function, docker)."""
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 EPERM = 1
@@ -187,6 +188,32 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
     return profile
 
 
+# Per-process limits every sandbox process starts with (and cannot raise: no CAP_SYS_RESOURCE):
+# no core dumps (a crashing process would write its memory, secrets included, into the upper),
+# a bounded number of open files. RLIMIT_NPROC is not set: it counts per uid, and sandbox root is
+# host root.
+NOFILE = 65536
+
+
+def rlimits() -> list[dict[str, Any]]:
+    """The sandbox's rlimits; NOFILE no higher than the agent's own hard limit (runc sets them
+    after dropping capabilities, so it cannot raise one; the agent raises its own at start)."""
+    nofile = min(NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    return [{"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+            {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}]
+
+
+def raise_own_nofile() -> int:
+    """Lift this process's open-file limit to NOFILE at least (it holds two fds per sandbox, and
+    sandboxes inherit theirs from it); returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(hard, NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    except (ValueError, OSError):  # not privileged: keep what we have, the soft raised to it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
 MASKED_PATHS = [
     "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
     "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
@@ -219,6 +246,7 @@ def config(
             "cwd": "/",
             "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
             "noNewPrivileges": True,
+            "rlimits": rlimits(),
         },
         "root": {"path": "rootfs", "readonly": False},
         "hostname": hostname,
@@ -238,7 +266,8 @@ def config(
             "cgroupsPath": cgroups_path,
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
-                "memory": {"limit": mem, "reservation": mem // 4},
+                # swap = limit: memory+swap may not exceed the limit, so a sandbox never swaps
+                "memory": {"limit": mem, "reservation": mem // 4, "swap": mem},
                 "cpu": {"quota": max(1000, int(cpu * cpu_period_us)), "period": cpu_period_us},
                 "pids": {"limit": pids_max},
             },

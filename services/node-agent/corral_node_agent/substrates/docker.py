@@ -146,6 +146,8 @@ class DockerSubstrate(Substrate):
                 "Memory": spec.memory_mb << 20,
                 "MemorySwap": spec.memory_mb << 20,
                 "PidsLimit": spec.pids_max,
+                "Ulimits": [{"Name": r["type"].removeprefix("RLIMIT_").lower(), "Soft": r["soft"], "Hard": r["hard"]}
+                            for r in oci.rlimits()],
                 "Binds": [f"{sdir}/io:{IO_MOUNT}:ro"],
                 "ReadonlyRootfs": False,
                 "AutoRemove": False,
