@@ -617,6 +617,27 @@ async def test_memory_bomb_in_session(client):
         await sb.destroy()
 
 
+async def test_output_floods_are_bounded_in_sessions_and_streams(sandbox):
+    """300 MB printed in a session is read as it comes, kept up to max_output_bytes and the rest
+    discarded (the call ends with the command, not at its timeout); a stream carries no more
+    than the reply would; the session is usable after."""
+    r = await sandbox.exec("head -c 300000000 /dev/zero; echo done >&2", session="flood", timeout_s=120)
+    assert not r.timed_out and r.exit_code == 0, (r.exit_code, r.timed_out, r.stderr[-200:])
+    assert r.truncated and len(r.stdout) == 1024 * 1024 and r.stderr == "done\n"
+    for session in ("", "flood"):
+        got = {"stdout": 0, "stderr": 0}
+        async for item in sandbox.exec_stream("head -c 100000 /dev/zero; head -c 5000 /dev/zero >&2",
+                                              session=session, max_output_bytes=1000, timeout_s=60):
+            if hasattr(item, "stream"):
+                got[item.stream] += len(item.data)
+            else:
+                result = item
+        assert got == {"stdout": 1000, "stderr": 1000}, (session, got)
+        assert result.truncated and len(result.stdout) == 1000 and result.exit_code == 0, result
+    r = await sandbox.exec("pwd; echo ok", session="flood")
+    assert r.stdout.endswith("ok\n") and not r.truncated, r
+
+
 # ----------------------------------------------------------------------------- exec lifetime
 
 

@@ -1,6 +1,6 @@
 """Reading a process's stdout and stderr without blocking the event loop: size caps with a
 `truncated` flag (the process is never blocked by a full pipe, excess is discarded), and an
-optional callback that streams chunks as they are produced."""
+optional callback that streams chunks as they are produced, within the same caps."""
 from __future__ import annotations
 
 import asyncio
@@ -18,12 +18,14 @@ class Capture:
         self.buf = bytearray()
         self.truncated = False
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes) -> bytes:
+        """Keep what fits under the cap; returns the part kept (what may be streamed on)."""
         room = self.cap - len(self.buf)
         if len(data) > room:
             self.truncated = True
             data = data[: max(room, 0)]
         self.buf += data
+        return data
 
 
 class PipeReader:
@@ -48,9 +50,13 @@ class PipeReader:
         if not data:
             self._close(name)
             return
-        self.captures[name].add(data)
-        if self.on_chunk is not None:
-            self.on_chunk(name, data)
+        self._keep(name, data)
+
+    def _keep(self, name: str, data: bytes) -> None:
+        # a stream carries no more than the reply would: max_output_bytes bounds both
+        kept = self.captures[name].add(data)
+        if kept and self.on_chunk is not None:
+            self.on_chunk(name, kept)
 
     def _close(self, name: str) -> None:
         fd = self.fds.pop(name, None)
@@ -66,9 +72,7 @@ class PipeReader:
         for name in list(self.fds):
             fd = self.fds[name]
             while data := read_chunk(fd):
-                self.captures[name].add(data)
-                if self.on_chunk is not None:
-                    self.on_chunk(name, data)
+                self._keep(name, data)
             self._close(name)
 
     async def finish(self, grace: float) -> None:

@@ -42,6 +42,7 @@ class Session:
         self.fds = {"stdout": out_fd, "stderr": err_fd}
         self.changed = asyncio.Event()
         self.exit_status: int | None = None
+        self.running = False  # a call is reading the output
         self.wait_task = asyncio.ensure_future(wait)
         self.wait_task.add_done_callback(self._exited)
         for name_, fd in self.fds.items():
@@ -68,8 +69,9 @@ class Session:
             self.loop.remove_reader(fd)
             os.close(fd)
             self.fds.pop(name, None)
-        else:
+        elif self.running:
             self.bufs[name] += data
+        # between calls, output of the session's background processes is dropped: nobody asked
         self.changed.set()
 
     async def _write_stdin(self, data: bytes) -> None:
@@ -108,45 +110,67 @@ class Session:
         for b in self.bufs.values():
             b.clear()
         caps = {"stdout": Capture(cap), "stderr": Capture(cap)}
-        emitted = {"stdout": 0, "stderr": 0}
-        hold = len(nonce) + 16
+        hold = len(nonce) + 16  # a marker split across reads stays in the buffer until whole
         code: int | None = None
         err_done = False
         timed_out = False
+
+        def take(name: str, upto: int) -> None:
+            """Move buf[:upto] into the capture (and the stream, within the cap): the buffer
+            never holds more than the latest read plus `hold` bytes, and each byte is scanned
+            for the marker a bounded number of times, however much the command prints."""
+            buf = self.bufs[name]
+            if upto > 0:
+                kept = caps[name].add(bytes(buf[:upto]))
+                del buf[:upto]
+                if kept and on_chunk is not None:
+                    on_chunk(name, kept)
+
         deadline = self.loop.time() + timeout
-        await self._write_stdin(line.encode())
-        while True:
-            out = self.bufs["stdout"]
-            m = out_mark.search(out)
-            if m and code is None:
-                code = int(m.group(1))
-            err = self.bufs["stderr"]
-            if not err_done and err_mark in err:
-                err_done = True
-            if on_chunk is not None:
-                for name, buf in (("stdout", out), ("stderr", err)):
-                    end = (m.start() if name == "stdout" and m else None)
-                    if name == "stderr" and err_done:
-                        end = err.index(err_mark)
-                    limit = end if end is not None else max(0, len(buf) - hold)
-                    if limit > emitted[name]:
-                        on_chunk(name, bytes(buf[emitted[name]:limit]))
-                        emitted[name] = limit
-            if (code is not None and err_done) or not self.alive:
-                break
-            remaining = deadline - self.loop.time()
-            if remaining <= 0:
-                timed_out = True
-                break
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
-            except TimeoutError:
-                pass
-        out, err = self.bufs["stdout"], self.bufs["stderr"]
-        m = out_mark.search(out)
-        caps["stdout"].add(bytes(out[: m.start()] if m else out))
-        caps["stderr"].add(bytes(err[: err.index(err_mark)] if err_mark in err else err))
+        self.running = True
+        try:
+            await self._write_stdin(line.encode())
+            while True:
+                if code is None:
+                    out = self.bufs["stdout"]
+                    m = out_mark.search(out)
+                    if m:
+                        code = int(m.group(1))
+                        take("stdout", m.start())
+                    else:
+                        take("stdout", len(out) - hold)
+                if code is not None:
+                    self.bufs["stdout"].clear()  # after the marker: background output, not this call's
+                if not err_done:
+                    err = self.bufs["stderr"]
+                    i = err.find(err_mark)
+                    if i >= 0:
+                        err_done = True
+                        take("stderr", i)
+                    else:
+                        take("stderr", len(err) - hold)
+                if err_done:
+                    self.bufs["stderr"].clear()
+                if (code is not None and err_done) or not self.alive:
+                    break
+                remaining = deadline - self.loop.time()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                self.changed.clear()
+                try:
+                    await asyncio.wait_for(self.changed.wait(), remaining)
+                except TimeoutError:
+                    pass
+        finally:
+            self.running = False
+        # what is left (the shell ended or the call timed out): its tail, marker-free
+        if code is None:
+            take("stdout", len(self.bufs["stdout"]))
+        if not err_done:
+            take("stderr", len(self.bufs["stderr"]))
+        for b in self.bufs.values():
+            b.clear()
         ended = False
         if timed_out:
             await kill()
