@@ -602,6 +602,20 @@ async def test_docker_bad_input(docker_client, docker_nc):
         await docker_client.create(image="Bad Image!!", substrate="docker")
     r = await _raw(docker_nc, subjects.SANDBOX_RUN, {"spec": {"substrate": "function"}, "exec": {"cmd": "true"}})
     assert r["ok"] is False and r["error"]["code"] == "invalid_request" and "docker" in r["error"]["message"], r
+    # promises a substrate cannot keep are refused, never silently dropped
+    with pytest.raises(InvalidRequest, match="protected_paths are not enforced on the 'docker' substrate"):
+        await docker_client.create(image="busybox", substrate="docker", protected_paths=["/etc/shadow"])
+    with pytest.raises(InvalidRequest, match="canaries are not enforced on the 'docker' substrate"):
+        await docker_client.create(image="busybox", substrate="docker", canaries={"/srv/answer": "42"})
+
+
+@pytest.mark.parametrize("substrate", ["function", "container"])
+async def test_one_shot_runs_refuse_protected_paths_and_canaries(client, substrate):
+    """A one-shot run has no moment to plant or mask anything: asking for it is an error."""
+    with pytest.raises(InvalidRequest, match="not enforced on a one-shot run"):
+        await client.run("cat /srv/answer", substrate=substrate, canaries={"/srv/answer": "42"})
+    with pytest.raises(InvalidRequest, match="not enforced on a one-shot run"):
+        await client.run("cat /etc/hostname", substrate=substrate, protected_paths=["/etc/hostname"])
 
 
 # ============================================================================ audit

@@ -93,13 +93,22 @@ class SandboxTable:
     def held(self, creating: bool = True) -> int:
         return len(self.sandboxes) + (len(self.creating) if creating else 0)
 
-    def substrate_for(self, spec: SandboxSpec) -> Substrate:
-        """The substrate a create or run asks for, if the node is accepting and has it."""
+    def substrate_for(self, spec: SandboxSpec, one_shot: bool = False) -> Substrate:
+        """The substrate a create or run asks for, if the node is accepting and has it, and can
+        keep the spec's promises: protected paths and canaries are refused where they would not
+        be enforced (a one-shot run, a substrate without a host-visible root), never ignored."""
         if not self.accepting:
             raise Unavailable(f"node {self.node} is shutting down", retry_after_s=1)
         sub = self.substrates.get(spec.substrate)
         if sub is None:
             raise InvalidRequest(f"substrate {spec.substrate!r} is not available on node {self.node}; available: {', '.join(self.substrates)}")
+        if spec.protected_paths or spec.canaries:
+            what = "protected_paths and canaries" if spec.protected_paths and spec.canaries else (
+                "protected_paths" if spec.protected_paths else "canaries")
+            if one_shot:
+                raise InvalidRequest(f"{what} are not enforced on a one-shot run; create a sandbox for them")
+            if not sub.protects_paths:
+                raise InvalidRequest(f"{what} are not enforced on the {sub.name!r} substrate; use 'container'")
         return sub
 
     def admit_create(self, sid: str, spec: SandboxSpec) -> None:

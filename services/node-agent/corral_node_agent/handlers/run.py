@@ -42,7 +42,7 @@ class Run:
     async def on_run(self, msg: Msg) -> None:
         req = bus.decode(msg.data, NodeRun)
         spec, ereq = req.spec, req.exec
-        sub = self.table.substrate_for(spec)
+        sub = self.table.substrate_for(spec, one_shot=True)
         if isinstance(ereq.cmd, str) and not ereq.cmd.strip():
             raise InvalidRequest("cmd is empty")
         if ereq.stream or ereq.session or ereq.trajectory:

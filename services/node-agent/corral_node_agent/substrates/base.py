@@ -72,6 +72,9 @@ class Substrate(abc.ABC):
     #: (audit/seccomp.py) to be answered and audited; if so the agent sets `seccomp_listener`
     #: and `seccomp_fds` before `start`, and hands adopted sandboxes' fds back (`take_notify_fd`)
     supports_seccomp_notify: ClassVar[bool] = False
+    #: protected paths (masked by decoys, opens audited) and canaries (planted, reads audited)
+    #: are enforced on its sandboxes; specs asking for them elsewhere are refused
+    protects_paths: ClassVar[bool] = False
     #: the listener's socket path; None keeps denied syscalls SCMP_ACT_ERRNO, unaudited
     seccomp_listener: str | None = None
     #: that listener's notify fds by sandbox id

@@ -51,6 +51,7 @@ class ContainerSubstrate(Substrate):
     #: denied syscalls are SCMP_ACT_NOTIFY to the agent's listener once it is set; each
     #: sandbox's init is given its own notify fd to hold (_hand_notify_fd)
     supports_seccomp_notify = True
+    protects_paths = True
 
     def __init__(self, node: str, state_dir: str, layers: LayerMounts, runc: str = "runc"):
         self.node = node
