@@ -621,7 +621,8 @@ async def test_output_floods_are_bounded_in_sessions_and_streams(sandbox):
     """300 MB printed in a session is read as it comes, kept up to max_output_bytes and the rest
     discarded (the call ends with the command, not at its timeout); a stream carries no more
     than the reply would; the session is usable after."""
-    r = await sandbox.exec("head -c 300000000 /dev/zero; echo done >&2", session="flood", timeout_s=120)
+    r = await sandbox.exec("yes aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa | head -c 300000000; echo done >&2", session="flood",
+                           timeout_s=120)
     assert not r.timed_out and r.exit_code == 0, (r.exit_code, r.timed_out, r.stderr[-200:])
     assert r.truncated and len(r.stdout) == 1024 * 1024 and r.stderr == "done\n"
     for session in ("", "flood"):
@@ -636,6 +637,10 @@ async def test_output_floods_are_bounded_in_sessions_and_streams(sandbox):
         assert result.truncated and len(result.stdout) == 1000 and result.exit_code == 0, result
     r = await sandbox.exec("pwd; echo ok", session="flood")
     assert r.stdout.endswith("ok\n") and not r.truncated, r
+    # more than the bus carries (NUL bytes are six in JSON): cut to fit and flagged, never lost
+    for session in ("", "flood"):
+        r = await sandbox.exec("head -c 3000000 /dev/zero", session=session, max_output_bytes=30_000_000, timeout_s=60)
+        assert r.exit_code == 0 and r.truncated and 0 < len(r.stdout) < 3_000_000, (session, len(r.stdout))
 
 
 # ----------------------------------------------------------------------------- exec lifetime

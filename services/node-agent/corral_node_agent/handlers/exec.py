@@ -8,6 +8,7 @@ import shlex
 import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -30,6 +31,44 @@ ExecFn = Callable[[Msg, ExecRequest, Sandbox, Substrate], Awaitable[ExecResult]]
 
 def command_line(req: ExecRequest) -> str:
     return req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
+
+
+def fit_to_bus(result: ExecResult, limit: int) -> ExecResult:
+    """`result` with its output cut from the end (and `truncated` set) until its JSON is at most
+    `limit` bytes. max_output_bytes counts raw bytes, but JSON can spell one as six (`\u0000`):
+    a reply over the bus's max_payload would never be sent and the caller would wait for nothing.
+    The smaller stream is kept whole when it takes at most half the room (a short error message
+    next to a flood of output survives)."""
+    if len(encoder.encode(result)) <= limit:
+        return result
+    room = limit - len(encoder.encode(msgspec.structs.replace(result, stdout="", stderr=""))) - 16
+    streams = {"stdout": result.stdout, "stderr": result.stderr}
+    size = {k: len(encoder.encode(v)) for k, v in streams.items()}
+    small, big = sorted(streams, key=lambda k: size[k])
+    budget = {small: min(size[small], max(room, 0) // 2)}
+    budget[big] = max(room, 0) - budget[small]
+    cut = {k: _cut(v, budget[k]) for k, v in streams.items()}
+    return msgspec.structs.replace(result, stdout=cut["stdout"], stderr=cut["stderr"], truncated=True)
+
+
+def _cut(text: str, budget: int) -> str:
+    """The longest head of `text` whose JSON string takes at most `budget` bytes."""
+    if len(encoder.encode(text)) <= budget:
+        return text
+    lo, hi = 0, len(text)  # encoded size grows with the head's length: bisect it
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encoder.encode(text[:mid])) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo]
+
+
+def bus_limit(nc: NATS) -> int:
+    """What an exec result may take of a message: half the server's max_payload, so the
+    trajectory log's entry (the request and the result) and the reply envelope fit too."""
+    return max(64 * 1024, (nc.max_payload or 1 << 20) // 2)
 
 
 class Exec:
@@ -76,4 +115,4 @@ class Exec:
             detail={"oom_killed": "1"} if result.oom_killed else {},
         ))
         self.audit.exec_done(sb, sub, cmd)
-        return result
+        return fit_to_bus(result, bus_limit(self.nc))

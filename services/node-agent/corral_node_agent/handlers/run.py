@@ -21,7 +21,7 @@ from ..audit.wiring import AuditWiring
 from ..events import Events
 from ..lifecycle import DESTROY_SECONDS
 from ..table import SandboxTable
-from .exec import EXEC_SECONDS
+from .exec import EXEC_SECONDS, bus_limit, fit_to_bus
 
 log = logging.getLogger("corral.node")
 
@@ -63,6 +63,7 @@ class Run:
             raise
         finally:
             self.table.done_running(token)
+        result = fit_to_bus(result, bus_limit(self.nc))
         RUN_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
         EXEC_SECONDS.labels(self.node, sub.name).observe(result.duration_ms / 1000)
         self.audit.emit(AuditEvent(
