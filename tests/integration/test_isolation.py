@@ -643,6 +643,31 @@ async def test_output_floods_are_bounded_in_sessions_and_streams(sandbox):
         assert r.exit_code == 0 and r.truncated and 0 < len(r.stdout) < 3_000_000, (session, len(r.stdout))
 
 
+async def test_sessions_and_concurrent_execs_are_capped_per_sandbox(client):
+    """One sandbox's callers cannot take all of a node's shells, pipes and tasks: past 16 live
+    sessions a new one is `capacity` (ended ones make room), past 64 execs in flight likewise."""
+    from corral_sdk import Capacity
+
+    sb = await client.create(image="busybox", cpu=0.5, memory_mb=128, pids_max=512)
+    try:
+        for i in range(16):
+            await ok(sb, "true", session=f"s{i}")
+        with pytest.raises(Capacity, match="16 sessions"):
+            await sb.exec("true", session="one-too-many")
+        assert (await sb.exec("echo again", session="s3")).stdout == "again\n"  # existing ones still serve
+        r = await sb.exec("exit 0", session="s0")
+        assert r.exit_code == 0, r
+        await ok(sb, "true", session="one-more")  # the ended shell made room
+        got = await asyncio.gather(*(sb.exec("sleep 2", timeout_s=30) for _ in range(70)), return_exceptions=True)
+        refused = [g for g in got if isinstance(g, Capacity)]
+        done = [g for g in got if not isinstance(g, BaseException)]
+        assert len(refused) == 6 and len(done) == 64 and all(r.exit_code == 0 for r in done), got
+        assert "execs running" in str(refused[0])
+        await ok(sb, "true")  # and they free their places when they end
+    finally:
+        await sb.destroy()
+
+
 # ----------------------------------------------------------------------------- exec lifetime
 
 

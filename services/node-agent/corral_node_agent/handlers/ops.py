@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from corral_common import bus
 from corral_common.contract import subjects
 from corral_common.contract.envelope import Reply
-from corral_common.contract.errors import InvalidRequest
+from corral_common.contract.errors import Capacity, InvalidRequest
 from corral_common.contract.messages import (
     AuditState,
     ChangesReply,
@@ -47,6 +47,8 @@ from .exec import ExecFn
 from .traj import Trajectories
 
 OpHandler = Callable[[Msg, Sandbox, Substrate], Awaitable[Reply]]
+
+MAX_EXECS_PER_SANDBOX = 64
 
 
 class _Empty(msgspec.Struct, forbid_unknown_fields=False):
@@ -96,7 +98,16 @@ class SandboxOps:
         req = bus.decode(msg.data, ExecRequest)
         if isinstance(req.cmd, str) and not req.cmd.strip():
             raise InvalidRequest("cmd is empty")
-        return ExecReply(result=await self.exec(msg, req, sb, sub))
+        # each exec holds pipes, a cgroup and a task on this node: one sandbox's callers cannot
+        # take them all
+        if sb.running_execs >= MAX_EXECS_PER_SANDBOX:
+            raise Capacity(f"sandbox {sb.id} has {sb.running_execs} execs running, the most allowed; wait for one to end",
+                           retry_after_s=0.5)
+        sb.running_execs += 1
+        try:
+            return ExecReply(result=await self.exec(msg, req, sb, sub))
+        finally:
+            sb.running_execs -= 1
 
     async def _info(self, msg: Msg, sb: Sandbox, sub: Substrate) -> InfoReply:
         bus.decode(msg.data, _Empty)

@@ -48,6 +48,8 @@ class Sandbox:
     warm_id: str = ""
     #: frozen by its substrate's pause (and not yet resumed)
     paused: bool = False
+    #: execs in flight (handlers/ops.py caps them per sandbox)
+    running_execs: int = 0
 
     def __init__(self, info: SandboxInfo, spec: SandboxSpec):
         self.info = info

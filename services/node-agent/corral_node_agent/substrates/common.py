@@ -17,13 +17,14 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from corral_common.contract.errors import Conflict
+from corral_common.contract.errors import Capacity, Conflict
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
 from ..sessions import Session
 from .base import ChunkCallback, Sandbox
 
+MAX_SESSIONS = 16  # live named sessions per sandbox: each is a shell, three pipes and a cgroup on the node
 IO_MOUNT = "/.corral/io"  # where the sandbox sees its io dir (scripts and stdin of session execs)
 
 R = TypeVar("R", bound=msgspec.Struct)
@@ -115,6 +116,16 @@ async def session_exec(sb: StayingSandbox, req: ExecRequest, on_chunk: ChunkCall
     """Run `req` in the sandbox's session `req.session`, starting it (`start()`) when it does not
     exist or has died; a session whose shell ended (exit, timeout, OOM) is ended (`end(name)`)
     and its cgroup removed, so the next exec starts it afresh."""
+    if req.session not in sb.sessions and len(sb.sessions) >= MAX_SESSIONS:
+        # shells that ended (exit, OOM) hold their place until their name is reused, or until here
+        for name in [n for n, s in sb.sessions.items() if not s.alive]:
+            lock = sb.session_locks.get(name)
+            if lock is None or not lock.locked():
+                end(name)
+                sb.session_locks.pop(name, None)
+    if req.session not in sb.sessions and len(sb.sessions) >= MAX_SESSIONS:
+        raise Capacity(f"sandbox {sb.id} has {len(sb.sessions)} sessions, the most allowed; end one (`exit` in it) "
+                       f"or reuse a name")
     lock = sb.session_locks.setdefault(req.session, asyncio.Lock())
     async with lock:
         t0 = time.perf_counter()
