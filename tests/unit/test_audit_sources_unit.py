@@ -12,17 +12,22 @@ from corral_node_agent.audit import seccomp as audit_seccomp
 def test_profile_without_listener_keeps_errno():
     p = oci.seccomp_profile()
     assert "listenerPath" not in p
-    assert all(r["action"] == "SCMP_ACT_ERRNO" for r in p["syscalls"])
+    # every rule either allows or refuses with an errno; nothing waits on a listener
+    assert all(r["action"] in ("SCMP_ACT_ALLOW", "SCMP_ACT_ERRNO") for r in p["syscalls"])
+    denied = {n for r in p["syscalls"] if r["action"] == "SCMP_ACT_ERRNO" for n in r["names"]}
+    assert set(oci.DENIED_SYSCALLS) <= denied
 
 
-def test_profile_with_listener_notifies_everything_but_clone3():
+def test_profile_with_listener_notifies_every_denial_but_clone3_and_io_uring():
     p = oci.seccomp_profile("/run/x/seccomp.sock", "sb-1")
     assert p["listenerPath"] == "/run/x/seccomp.sock" and p["listenerMetadata"] == "sb-1"
     for r in p["syscalls"]:
-        if r["names"] == ["clone3"]:
+        if r["action"] == "SCMP_ACT_ALLOW":
+            continue
+        if set(r["names"]) <= {"clone3", *oci.IO_URING}:
             assert r["action"] == "SCMP_ACT_ERRNO" and r["errnoRet"] == oci.ENOSYS
         else:
-            assert r["action"] == "SCMP_ACT_NOTIFY" and "errnoRet" not in r
+            assert r["action"] == "SCMP_ACT_NOTIFY" and "errnoRet" not in r, r
     c = oci.config(hostname="sb-2", init_path="/i", io_dir="/io", cgroups_path="/c", env={}, cpu=1, memory_mb=64,
                    pids_max=64, seccomp_listener="/s.sock")
     assert c["linux"]["seccomp"]["listenerMetadata"] == "sb-2"
@@ -54,11 +59,12 @@ def test_path_helpers():
 
 
 def test_watched_calls_are_notified_only_with_a_listener_and_named():
-    assert not any("connect" in r["names"] for r in oci.seccomp_profile()["syscalls"])
+    assert not any("connect" in r["names"] for r in oci.seccomp_profile()["syscalls"] if r["action"] != "SCMP_ACT_ALLOW")
     p = oci.seccomp_profile("/s.sock", "sb-1")
-    watched = {n for r in p["syscalls"] for n in r["names"] if n in audit_seccomp.WATCHED}
+    notify = [r for r in p["syscalls"] if r["action"] == "SCMP_ACT_NOTIFY"]
+    watched = {n for r in notify for n in r["names"] if n in audit_seccomp.WATCHED}
     assert watched == audit_seccomp.WATCHED
-    sendto = next(r for r in p["syscalls"] if r["names"] == ["sendto"])
+    sendto = next(r for r in notify if r["names"] == ["sendto"])
     assert sendto["args"] == [{"index": 4, "value": 0, "op": "SCMP_CMP_NE"}]  # only with a destination
     assert audit_seccomp.WATCHED <= set(audit_seccomp.X86_64_SYSCALLS.values())
     # the same calls through the i386 / x32 ABIs continue uninspected; denied ones do not
