@@ -104,6 +104,8 @@ def decode(data: bytes, typ: type[T]) -> T:
         raise CorralError(f"invalid request: {e}", Code.INVALID_REQUEST) from None
     except msgspec.DecodeError as e:
         raise CorralError(f"malformed JSON: {e}", Code.INVALID_REQUEST) from None
+    except RecursionError:  # skipping an unknown field nested thousands deep
+        raise CorralError("malformed request: JSON nested too deeply", Code.INVALID_REQUEST) from None
 
 
 # a handler answers with a typed reply (encoded here), raw bytes (an already-encoded reply, e.g. a

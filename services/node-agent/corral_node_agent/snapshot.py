@@ -42,6 +42,12 @@ class Snapshots:
         The sandbox is frozen while the layer is built so the snapshot is consistent, then thawed."""
         name = name or f"snap-{sb.id}-{int(time.time() * 1000)}"
         check_image_name(name)
+        # one freeze-and-read of a sandbox at a time (snapshots, `changes`): two would share the
+        # snapshot dir, and one's thaw could land in the middle of the other's read
+        async with sb.changes_lock:
+            return await self._take(sb, sub, name, labels)
+
+    async def _take(self, sb: Sandbox, sub: Substrate, name: str, labels: dict[str, str]) -> tuple[ImageManifest, LayerManifest, int]:
         if sub.snapshots_itself:  # substrates that make images their own way (docker: commit, save, import)
             return await sub.snapshot_image(sb, name, labels)
         was_paused = sb.info.state == "paused"

@@ -16,6 +16,8 @@ from corral_common.contract.replies import SandboxListReply
 from .placements import Placements
 from .registry import Registry
 
+ORPHAN_CONCURRENCY = 512  # decisions in flight; beyond, calls wait their turn in the queue
+
 
 class Listing:
     def __init__(self, nc: NATS, registry: Registry, placements: Placements, node_timeout_s: float, stale_after_s: float):
@@ -24,6 +26,8 @@ class Listing:
         self.placements = placements
         self.node_timeout_s = node_timeout_s
         self.stale_after_s = stale_after_s
+        self.orphan_tasks: set[asyncio.Task] = set()
+        self.orphan_slots = asyncio.Semaphore(ORPHAN_CONCURRENCY)
 
     async def on_list(self, msg: Msg) -> SandboxListReply:
         req = bus.decode(msg.data, ListRequest)
@@ -40,10 +44,22 @@ class Listing:
         return SandboxListReply(sandboxes=out)
 
     async def on_orphan(self, msg: Msg) -> None:
-        """A call on `corral.v1.sandbox.<id>.*`, heard by every replica's queue group: answer
-        `not_found` only once sure that no live node will answer it."""
+        """A call on `corral.v1.sandbox.<id>.>`, heard by every replica's queue group. Each is
+        decided in a task of its own: the decision waits (for a placement in flight, a node's
+        next heartbeat), and one subscription's callbacks run one at a time, so a burst of calls
+        on expired sandboxes would otherwise queue behind each other's waits."""
         if not msg.reply:
             return
+        t = asyncio.create_task(self._orphan(msg))
+        self.orphan_tasks.add(t)
+        t.add_done_callback(self.orphan_tasks.discard)
+
+    async def _orphan(self, msg: Msg) -> None:
+        async with self.orphan_slots:
+            await self._decide(msg)
+
+    async def _decide(self, msg: Msg) -> None:
+        """Answer `not_found` only once sure that no live node will answer."""
         sid = msg.subject.split(".")[3]
         p = self.placements
         info = p.get(sid)

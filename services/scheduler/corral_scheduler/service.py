@@ -87,9 +87,9 @@ class Scheduler:
         await responder.serve(subjects.QUOTA_GET, admission.on_get, "quota.get", queue=q)
         await responder.serve(subjects.SANDBOX_RUN, runs.on_run, "run", queue=q)
         # answers `not_found` for sandboxes no node owns, so raw NATS clients get a JSON reply
-        # instead of a bare "no responders" status
-        for pattern in (f"{subjects.PREFIX}.sandbox.*.*", f"{subjects.PREFIX}.sandbox.*.files.*"):
-            await nc.subscribe(pattern, queue=q + "-orphans", cb=listing.on_orphan)
+        # instead of a bare "no responders" status: every operation, however many tokens its
+        # name has (files.read, port.open) or an unknown one
+        await nc.subscribe(subjects.sandbox_all("*"), queue=q + "-orphans", cb=listing.on_orphan)
         metrics.UP.labels("scheduler").set(1)
         logs.kv(log, logging.INFO, "scheduler ready", metrics=self.metrics_url)
         await stop.wait()

@@ -54,7 +54,8 @@ class Sandbox:
     def __init__(self, info: SandboxInfo, spec: SandboxSpec):
         self.info = info
         self.spec = spec
-        # `changes` requests for one sandbox take turns (Substrate.frozen_changes)
+        # freeze-and-read operations on one sandbox take turns (`changes`: Substrate.frozen_changes;
+        # snapshots: snapshot.py)
         self.changes_lock = asyncio.Lock()
 
     @property
