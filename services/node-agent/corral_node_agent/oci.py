@@ -7,6 +7,7 @@ sideways (by handle, by block map) denied and reported, and everything else (new
 included) refused with EPERM. The same policy serves every substrate (container, function, docker)."""
 from __future__ import annotations
 
+import platform
 import resource
 from typing import Any
 
@@ -103,6 +104,13 @@ AF_VSOCK = 40  # socket(2) in any family but vsock (the host's hypervisor socket
 IO_URING = ["io_uring_setup", "io_uring_enter", "io_uring_register"]
 LOW32 = 0xFFFFFFFF  # ioctl's request is an int: the kernel ignores the upper half, so must the filter
 
+# The filter accepts the host's native ABI only: syscalls through another (i386's int 0x80,
+# x32) fail as a bad architecture, so no rule has to be right twice (i386 passes connect and
+# sendto through socketcall, which the watch cannot read) and libseccomp compiles one filter,
+# not five: runc run takes ~27 ms with it against ~49 ms with x86_64+x86+x32+aarch64+arm
+# (measured on this machine; the allow-by-default profile before it: ~24 ms).
+ARCHITECTURES = {"x86_64": ["SCMP_ARCH_X86_64"], "aarch64": ["SCMP_ARCH_AARCH64"]}.get(platform.machine(), ["SCMP_ARCH_X86_64"])
+
 CLONE_NS_FLAGS = {
     "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
     "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
@@ -173,7 +181,7 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
     profile: dict[str, Any] = {
         "defaultAction": "SCMP_ACT_ERRNO",
         "defaultErrnoRet": EPERM,
-        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+        "architectures": ARCHITECTURES,
         "syscalls": rules,
     }
     if listener_path:

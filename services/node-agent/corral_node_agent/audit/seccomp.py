@@ -24,8 +24,9 @@ to processes outside the caller's exec (another exec's cgroup, or pid 1 = corral
 "signal"). Signals to init are denied (EPERM). The argument is read before the kernel re-reads it,
 so a racing thread could change it in between: the record is best effort, the isolation (no
 network, init protected by the pid namespace) does not depend on it. The
-same calls through the i386 or x32 ABI continue uninspected (not recorded); sendmsg/sendmmsg and
-io_uring are not watched."""
+filter accepts only the native ABI (oci.ARCHITECTURES): a call through i386 or x32 kills the
+caller (SIGSYS) before it runs, so none reaches the listener uninspected; sendmsg/sendmmsg are
+not watched and io_uring is refused."""
 from __future__ import annotations
 
 import asyncio
