@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -81,6 +82,17 @@ async def served(stack):
     await c.close()
 
 
+def tcp_round_trip(port: int, data: bytes) -> bytes:
+    """What a plain blocking client gets back for `data` on a local port (it half-closes after)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
 async def echo_through(reader, writer, payload: bytes) -> tuple[bytes, str]:
     async def send() -> None:
         for i in range(0, len(payload), 1 << 20):
@@ -122,17 +134,8 @@ async def test_local_forward_serves_plain_tcp_clients(served):
     """The forward is a real local port: a client that knows nothing of corral uses it."""
     c, sb = served
     async with await sb.forward(7000) as fwd:
-        def blocking() -> bytes:
-            import socket
-            with socket.create_connection(("127.0.0.1", fwd.local_port), timeout=30) as s:
-                s.sendall(b"hello over the bus")
-                s.shutdown(socket.SHUT_WR)
-                out = b""
-                while chunk := s.recv(65536):
-                    out += chunk
-                return out
-
-        outs = await asyncio.gather(*(asyncio.to_thread(blocking) for _ in range(3)))
+        outs = await asyncio.gather(*(asyncio.to_thread(tcp_round_trip, fwd.local_port, b"hello over the bus")
+                                      for _ in range(3)))
     want = b"hello over the bus" + b"SHA " + hashlib.sha256(b"hello over the bus").hexdigest().encode()
     assert outs == [want] * 3
 
@@ -270,18 +273,7 @@ async def test_port_forward_cli(stack, served):
     try:
         line = await asyncio.to_thread(p.stdout.readline)
         assert f"forwarding 127.0.0.1:{port} -> {sb.id}" in line, line
-
-        def talk() -> bytes:
-            import socket
-            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-                s.sendall(b"cli")
-                s.shutdown(socket.SHUT_WR)
-                out = b""
-                while chunk := s.recv(65536):
-                    out += chunk
-                return out
-
-        assert (await asyncio.to_thread(talk)).startswith(b"cliSHA ")
+        assert (await asyncio.to_thread(tcp_round_trip, port, b"cli")).startswith(b"cliSHA ")
     finally:
         p.send_signal(signal.SIGINT)
         assert await asyncio.to_thread(p.wait, 30) == 0
