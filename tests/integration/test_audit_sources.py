@@ -153,6 +153,53 @@ async def test_denied_syscalls_fail_with_eperm_and_are_audited(client, nc, denie
         await sb.destroy()
 
 
+@pytest.fixture(scope="module")
+def syscall_flood_binary():
+    d = tempfile.mkdtemp(prefix="crl-sf-")
+    out = f"{d}/flood"
+    subprocess.run(["gcc", "-static", "-O1", "-o", out, f"{HERE}/data/syscall_flood.c"], check=True, capture_output=True)
+    with open(out, "rb") as f:
+        data = f.read()
+    shutil.rmtree(d, ignore_errors=True)
+    return data
+
+
+async def test_a_denied_syscall_flood_is_throttled_reported_and_fully_audited(client, nc, syscall_flood_binary):
+    """A sandbox calling a denied syscall in a tight loop is slowed to the listener's rate (its
+    calls wait in the kernel, not the node-agent), a "throttled" event says so, every call is
+    still answered EPERM and audited, and a neighbour's execs are served meanwhile."""
+    from corral_node_agent.audit.seccomp import NOTIFY_BURST, NOTIFY_RATE
+
+    a = await client.create(image="busybox", cpu=1, memory_mb=128, ttl_s=600, job="audit-src")
+    b = await client.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600, job="audit-src")
+    try:
+        async with Watch(nc, a.info.node, a.id) as w:
+            await a.files.write("/bin/flood", syscall_flood_binary, mode=0o755)
+            flood = asyncio.ensure_future(a.exec("/bin/flood 3", timeout_s=60))
+            served = 0
+            while not flood.done():
+                r = await b.exec("echo neighbour")
+                assert r.stdout == "neighbour\n", r
+                served += 1
+                await asyncio.sleep(0.1)
+            r = await flood
+            calls, eperm, secs = r.stdout.split()
+            calls_n, secs_f = int(calls), float(secs)
+            assert calls_n == int(eperm) > 0, r.stdout  # every call answered, every answer EPERM
+            assert calls_n <= NOTIFY_BURST + NOTIFY_RATE * secs_f * 1.25 + 50, (calls_n, secs_f)
+            assert served >= 1
+            await w.until(lambda: any(e.op == "throttled" for e in w.of("syscall")), what="a throttled report")
+            t = next(e for e in w.of("syscall") if e.op == "throttled")
+            assert t.denied and t.syscall == "keyctl" and t.detail["rate_per_s"] == f"{NOTIFY_RATE:g}", t
+            await w.until(lambda: sum(1 for e in w.of("syscall") if e.syscall == "keyctl" and e.op != "throttled") >= calls_n,
+                          timeout=60, what=f"all {calls_n} calls audited")
+            state = await a.audit_state()
+            assert state.lost == 0, state
+    finally:
+        await a.destroy()
+        await b.destroy()
+
+
 async def test_protected_paths_are_unreadable_and_every_attempt_is_audited(client, nc, protected_image):
     sb = await client.create(image=protected_image, cpu=0.5, memory_mb=128, ttl_s=600, job="audit-src",
                              protected_paths=["/secret/answer.txt", "/hidden", "/not/in/image"])

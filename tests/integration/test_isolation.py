@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from corral_sdk import Forbidden, InvalidRequest, NotFound
+from corral_sdk import Conflict, Forbidden, InvalidRequest, NotFound
 
 from .. import hostview
 from ..leaks import cgroup_pids
@@ -386,15 +386,23 @@ def _status_fields(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in text.splitlines()) if v}
 
 
+INIT_CAPS = (1 << 6) | (1 << 7) | (1 << 8)  # CAP_SETGID, CAP_SETUID, CAP_SETPCAP: init's, to start harness commands
+
+
 async def test_no_capabilities_no_new_privs_seccomp(sandbox):
     for label, r in (
         ("exec", await ok(sandbox, "cat /proc/self/status")),
         ("session", await ok(sandbox, "cat /proc/self/status", session="caps")),
+        ("harness exec", await ok(sandbox, "cat /proc/self/status", harness=True)),
+        ("harness session", await ok(sandbox, "cat /proc/self/status", session="hcaps", harness=True)),
         ("init", await ok(sandbox, "cat /proc/1/status")),
     ):
         f = _status_fields(r.stdout)
         for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
-            assert int(f[cap], 16) == 0, (label, cap, f[cap])
+            want = INIT_CAPS if label == "init" and cap in ("CapPrm", "CapEff", "CapBnd") else 0
+            assert int(f[cap], 16) == want, (label, cap, f[cap])
+        uid = "64222" if label.startswith("harness") else "0"
+        assert f["Uid"].split() == [uid] * 4 and f["Gid"].split() == [uid] * 4, (label, f["Uid"], f["Gid"])
         assert f["NoNewPrivs"] == "1", (label, f.get("NoNewPrivs"))
         assert f["Seccomp"] == "2", (label, f.get("Seccomp"))
         assert int(f.get("Seccomp_filters", "1")) >= 1
@@ -483,6 +491,77 @@ async def test_sandbox_cannot_kill_or_inspect_its_helper(sandbox):
     await asyncio.sleep(0.2)
     r = await ok(sandbox, "echo alive; tr '\\0' ' ' < /proc/1/cmdline")
     assert r.stdout.split("\n")[:2] == ["alive", "/.corral/init "], r
+
+
+# What an agent process tries against another process of its sandbox found by its command line
+# ($1) and, if given, uid ($2): each line starting LEAK is an access it got. Run against an agent process it must get
+# them (the check can see a leak); against a harness process none.
+REACH = r"""
+P=""
+for i in $(seq 1 200); do
+  for c in /proc/[0-9]*/cmdline; do
+    d=${c%/cmdline}
+    if [ "$(tr '\0' ' ' < $c 2>/dev/null)" = "$1 " ] && { [ -z "$2" ] || grep -q "^Uid:[[:space:]]*$2[[:space:]]" $d/status; }; then
+      P=${d#/proc/}
+    fi
+  done
+  [ -n "$P" ] && break
+  sleep 0.05
+done
+[ -n "$P" ] || { echo "target not found"; exit 3; }
+ls /proc/$P/fd >/dev/null 2>&1 && echo "LEAK fd listed"
+readlink /proc/$P/fd/1 >/dev/null 2>&1 && echo "LEAK fd resolved"
+cat /proc/$P/environ >/dev/null 2>&1 && echo "LEAK environ read"
+cat /proc/$P/maps >/dev/null 2>&1 && echo "LEAK maps read"
+( exec 5</proc/$P/mem ) 2>/dev/null && echo "LEAK mem opened"
+( exec 5>>/proc/$P/fd/1 ) 2>/dev/null && echo "LEAK stdout opened"
+( exec 5</proc/$P/fd/0 ) 2>/dev/null && echo "LEAK stdin opened"
+ls /proc/$P/cwd/ >/dev/null 2>&1 && echo "LEAK cwd listed"
+kill -CONT $P 2>/dev/null && echo "LEAK signalled"
+echo checked
+"""
+
+
+async def _reach(sandbox, target: str, uid: str = "") -> set[str]:
+    r = await sandbox.exec(["/bin/sh", "-c", REACH, "reach", target, uid], timeout_s=30)
+    assert r.stdout.endswith("checked\n"), r
+    return {ln for ln in r.stdout.splitlines() if ln.startswith("LEAK")}
+
+
+ALL_LEAKS = {"LEAK fd listed", "LEAK fd resolved", "LEAK environ read", "LEAK maps read", "LEAK mem opened",
+             "LEAK stdout opened", "LEAK stdin opened", "LEAK cwd listed", "LEAK signalled"}
+
+
+async def test_agent_cannot_read_signal_or_forge_harness_commands(sandbox):
+    """A harness command (exec harness=True) runs as another uid: the agent's capability-less root
+    can neither read its fds, memory or environment, nor write into its output, nor signal it; the
+    same attempts on one of its own processes all succeed (so each check can see a leak)."""
+    own = asyncio.ensure_future(sandbox.exec("sleep 4.4321; echo agent-done", timeout_s=30))
+    assert await _reach(sandbox, "sleep 4.4321") == ALL_LEAKS
+    harness = asyncio.ensure_future(sandbox.exec("sleep 4.4322; echo harness-done", harness=True, timeout_s=30))
+    assert await _reach(sandbox, "sleep 4.4322") == set()
+    r = await harness
+    assert (r.exit_code, r.stdout) == (0, "harness-done\n"), r
+    await own
+
+
+async def test_harness_session_is_out_of_the_agents_reach(sandbox):
+    """The session attack: an agent process reads a shell's stdin pipe (the command and its end
+    marker) and writes a forged marker into its stdout. A harness session's shell is out of reach;
+    its io files (script, stdin) cannot be listed or read; the agent and the harness cannot share a
+    session."""
+    await ok(sandbox, "true", session="grader", harness=True)
+    assert (await ok(sandbox, "id -u", session="grader", harness=True)).stdout == "64222\n"
+    running = asyncio.ensure_future(sandbox.exec("cat; sleep 3.3321; echo real", session="grader", harness=True,
+                                                 stdin="hidden-expected-answer\n", timeout_s=30))
+    assert await _reach(sandbox, "sleep 3.3321") == set()
+    assert await _reach(sandbox, "/bin/sh", "64222") == set()  # the harness session's shell
+    r = await sandbox.exec("ls /.corral/io; echo rc=$?; cat /.corral/io/* 2>&1; grep -r hidden-expected /.corral/ 2>&1; true")
+    assert "rc=1" in r.stdout and "hidden-expected-answer" not in r.stdout, r
+    r = await running
+    assert (r.exit_code, r.stdout) == (0, "hidden-expected-answer\nreal\n"), r
+    with pytest.raises(Conflict):
+        await sandbox.exec("true", session="grader")
 
 
 async def test_setuid_files_from_a_sandbox_are_inert_on_the_host(stack, sandbox):

@@ -117,7 +117,7 @@ async def test_retried_audit_batches_are_stored_once(nc):
     log = AuditLog(js, "node-t")
     for i in range(3):
         log.emit(AuditEvent(id=event_id(), ts=time.time(), node="node-t", sandbox=sid, kind="exec", cmd=f"echo {i}"))
-    sent = list(log.pending)
+    sent = list(log.pending[sid])
     await log.flush()
     log.retry.append((sid, sent))  # as if the ack of that publish had timed out
     await log.flush()

@@ -241,6 +241,24 @@ async def test_exec_result_env_stdin_cwd(env, substrate):
         assert r.stdout.strip() == t.last, (r.stdout, t.last)
 
 
+@pytest.mark.parametrize("substrate", SUBSTRATES)
+async def test_harness_exec_runs_as_its_own_uid(env, substrate):
+    """exec harness=True runs as uid/gid 64222 without a capability on every substrate (agent
+    commands as root); in sandboxes that stay, a harness session too, and the agent cannot list
+    the io dir its scripts live in."""
+    async with target(env, substrate) as t:
+        status = "grep -E '^(Uid|Gid|CapEff|CapPrm|CapBnd):' /proc/self/status | tr -s '\\t' ' '"
+        r = await ok(t, status, harness=True)
+        assert r.stdout.splitlines() == ["Uid: 64222 64222 64222 64222", "Gid: 64222 64222 64222 64222",
+                                         "CapPrm: 0000000000000000", "CapEff: 0000000000000000",
+                                         "CapBnd: 0000000000000000"], r
+        assert (await ok(t, "id -u")).stdout == "0\n"
+        if substrate in STAYING:
+            assert (await ok(t, "id -u; id -G", session="h", harness=True)).stdout == "64222\n64222\n"
+            r = await t.exec("ls /.corral/io")
+            assert r.exit_code != 0 and "Permission denied" in r.stderr, r
+
+
 @pytest.mark.parametrize("substrate", STAYING)
 async def test_exec_stream_chunks(env, substrate):
     async with target(env, substrate) as t:

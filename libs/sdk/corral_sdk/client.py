@@ -288,11 +288,13 @@ class AsyncSandbox:
 
     async def exec(self, cmd: str | list[str], *, stdin: str = "", env: dict[str, str] | None = None, cwd: str | None = None,
                    timeout_s: float = 60.0, session: str = "", max_output_bytes: int = 1024 * 1024,
-                   trajectory: str = "", step: int | None = None, on_divergence: str = "error", shell: str = "sh") -> ExecResult:
+                   trajectory: str = "", step: int | None = None, on_divergence: str = "error", shell: str = "sh",
+                   harness: bool = False) -> ExecResult:
         """`session="name"`: run in that persistent shell (cwd and exports carry over), started as
-        `shell` ("sh" or "bash") on first use."""
+        `shell` ("sh" or "bash") on first use. `harness=True`: run as the harness's own uid, which
+        the agent's processes cannot read, signal or forge (a grader's or trainer's commands)."""
         req = ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s, session=session, shell=shell,  # type: ignore[arg-type]
-                          max_output_bytes=max_output_bytes, trajectory=trajectory, step=step,
+                          max_output_bytes=max_output_bytes, trajectory=trajectory, step=step, harness=harness,
                           on_divergence=on_divergence)  # type: ignore[arg-type]
         r = await self._call("exec", req, ExecReply, timeout=timeout_s + 15)
         return r.result

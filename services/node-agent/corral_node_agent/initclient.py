@@ -33,8 +33,8 @@ class Spawned:
         self.sock.close()
 
 
-def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int) -> bytes:
-    tokens = ["1", str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items()), cwd, str(ncgroups)]
+def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int, harness: bool = False) -> bytes:
+    tokens = ["3" if harness else "1", str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items()), cwd, str(ncgroups)]
     for t in tokens:
         if "\0" in t:
             raise ValueError("arguments, environment and cwd must not contain NUL bytes")
@@ -42,8 +42,10 @@ def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int
     return payload
 
 
-async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int], cgroup_fds: list[int], timeout: float = 10.0) -> Spawned:
-    payload = encode_request(argv, env, cwd, len(cgroup_fds))
+async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],
+                cgroup_fds: list[int], timeout: float = 10.0, harness: bool = False) -> Spawned:
+    """Start argv in the sandbox: as its root without capabilities, or as oci.HARNESS_ID when `harness`."""
+    payload = encode_request(argv, env, cwd, len(cgroup_fds), harness)
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)

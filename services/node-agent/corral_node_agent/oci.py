@@ -230,6 +230,13 @@ MASKED_PATHS = [
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 
 
+# Harness commands (ExecRequest.harness) run as this uid and gid (init/corral-init.c HARNESS_ID):
+# not root, so the agent's capability-less root cannot read, signal or forge them. corral-init
+# keeps INIT_CAPS to switch to it and drops every capability in each child before exec.
+HARNESS_ID = 64222
+INIT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"]
+
+
 def config(
     *,
     hostname: str,
@@ -242,7 +249,10 @@ def config(
     pids_max: int,
     cpu_period_us: int = 100_000,
     seccomp_listener: str | None = None,
+    init_caps: bool = False,
 ) -> dict[str, Any]:
+    """`init_caps`: the process is corral-init, which keeps INIT_CAPS (only) for its children to drop."""
+    caps = INIT_CAPS if init_caps else []
     mem = memory_mb * 1024 * 1024
     return {
         "ociVersion": "1.0.2",
@@ -252,7 +262,7 @@ def config(
             "args": ["/.corral/init"],
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
-            "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
+            "capabilities": {"bounding": caps, "effective": caps, "inheritable": [], "permitted": caps, "ambient": []},
             "noNewPrivileges": True,
             "rlimits": rlimits(),
         },

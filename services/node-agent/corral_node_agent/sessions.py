@@ -31,9 +31,11 @@ SHELLS = {"sh": "/bin/sh", "bash": "/bin/bash"}
 
 
 class Session:
-    def __init__(self, name: str, group: str, stdin_fd: int, out_fd: int, err_fd: int, wait: Awaitable[int], shell: str = "sh"):
+    def __init__(self, name: str, group: str, stdin_fd: int, out_fd: int, err_fd: int, wait: Awaitable[int], shell: str = "sh",
+                 harness: bool = False):
         self.name = name
         self.shell = shell
+        self.harness = harness
         self.group = group
         self.stdin_fd = stdin_fd
         self.lock = asyncio.Lock()

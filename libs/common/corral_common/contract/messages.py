@@ -118,6 +118,11 @@ class ExecRequest(Request, kw_only=True):
     # the program a new session runs: `/bin/sh` (POSIX), or `/bin/bash` for agents written against
     # bash (SWE-ReX, SWE-agent: `source`, `[[ ]]`, arrays); a live session keeps the shell it started with
     shell: Literal["sh", "bash"] = "sh"
+    # run as the harness (uid 64222), not as the agent (root without capabilities): the agent's
+    # processes cannot read its /proc (fds, memory, environment), signal it, or read its scripts
+    # and stdin; for a grader's or trainer's own commands in a rollout (a session keeps the user it
+    # started with)
+    harness: bool = False
     stream: bool = False
     max_output_bytes: Annotated[int, Meta(ge=0, le=64 * 1024 * 1024)] = 1024 * 1024
     trajectory: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_-]*$")] = ""

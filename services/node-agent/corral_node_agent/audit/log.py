@@ -6,7 +6,9 @@ so a stream of execs is one publish per sandbox per `interval_s`, not one per ev
 node does not wake up at all. A flush waits for JetStream's ack so that events survive a NATS
 restart; failed batches are retried as they were, under the same `Nats-Msg-Id` (derived from their
 event ids), so a publish that was stored but whose ack got lost is dropped by JetStream's duplicate
-window instead of stored twice. Only past `max_buffer` are the oldest dropped.
+window instead of stored twice. Only past `max_buffer` are events dropped, and then fairly: the
+oldest of whichever sandbox holds the most (in the buffer and in failed batches alike), so a
+sandbox that floods its own audit can only lose its own events, never a quieter neighbour's.
 
 Loss is accounted per sandbox (`SandboxAudit`): events dropped here (buffer full, publishing given
 up) and what the sources report they could not deliver (`loss()`: fanotify queue overflow, rate
@@ -67,7 +69,8 @@ class AuditLog:
         self.interval_s = interval_s
         self.batch = batch
         self.max_buffer = max_buffer
-        self.pending: list[AuditEvent] = []
+        self.pending: dict[str, list[AuditEvent]] = {}  # sandbox -> events not yet published, oldest first
+        self.npending = 0
         self.retry: list[tuple[str, list[AuditEvent]]] = []  # (sandbox, batch) that failed to publish
         self.losses: dict[tuple[str, str], int] = {}  # (sandbox, reason) -> events lost, not yet told as a loss event
         self.stats: dict[str, SandboxAudit] = {}
@@ -92,16 +95,26 @@ class AuditLog:
     def emit(self, ev: AuditEvent) -> None:
         if not self.enabled:
             return
-        self.pending.append(ev)
+        self.pending.setdefault(ev.sandbox, []).append(ev)
+        self.npending += 1
         self._stat(ev.sandbox).emitted += 1
-        if len(self.pending) > self.max_buffer:
-            drop = len(self.pending) - self.max_buffer
-            dropped, self.pending[:drop] = self.pending[:drop], []
-            AUDIT_DROPPED.labels(self.node).inc(drop)
-            for old in dropped:
-                self._settle(old.sandbox, 1)
-                self._lose(old.sandbox, BUFFER_FULL, 1)
+        if self.npending > self.max_buffer:
+            self._evict()
         self._poke()
+
+    def _evict(self) -> None:
+        """Make room by dropping the oldest events of the sandbox with the most pending (a 64th of
+        them at once, so a flood that keeps the buffer full costs one scan per 64 events)."""
+        sid = max(self.pending, key=lambda s: len(self.pending[s]))
+        queue = self.pending[sid]
+        drop = max(1, len(queue) // 64)
+        del queue[:drop]
+        if not queue:
+            del self.pending[sid]
+        self.npending -= drop
+        AUDIT_DROPPED.labels(self.node).inc(drop)
+        self._settle(sid, drop)
+        self._lose(sid, BUFFER_FULL, drop)
 
     def loss(self, sid: str, reason: str, count: int) -> None:
         """A source could not deliver `count` events of this sandbox (or, count 0 meaning an
@@ -124,7 +137,7 @@ class AuditLog:
             st.settled += n
 
     def _poke(self) -> None:
-        if self.timer is None or len(self.pending) >= self.batch:
+        if self.timer is None or self.npending >= self.batch:
             try:
                 asyncio.get_running_loop()
             except RuntimeError:  # not on the loop's thread
@@ -134,7 +147,7 @@ class AuditLog:
             self._arm()
 
     def _arm(self) -> None:
-        if len(self.pending) >= self.batch:
+        if self.npending >= self.batch:
             self.wake.set()
         elif self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(self.interval_s, self.wake.set)
@@ -159,7 +172,7 @@ class AuditLog:
     async def _flush(self) -> None:
         if not self.pending and not self.retry and not self.losses:
             return
-        events, self.pending = self.pending, []
+        events, self.pending, self.npending = self.pending, {}, 0
         batches, self.retry = self.retry, []
         losses, self.losses = self.losses, {}
         by_sandbox: dict[str, list[AuditEvent]] = defaultdict(list)
@@ -167,10 +180,7 @@ class AuditLog:
             by_sandbox[sid].append(self._loss_event(sid, reason, n))
         for sandbox, evs in by_sandbox.items():
             batches.append((sandbox, evs))
-        by_sandbox = defaultdict(list)
-        for ev in events:
-            by_sandbox[ev.sandbox].append(ev)
-        for sandbox, evs in by_sandbox.items():
+        for sandbox, evs in events.items():
             batches.extend((sandbox, evs[i : i + self.batch]) for i in range(0, len(evs), self.batch))
         for sandbox, chunk in batches:
             try:
@@ -187,10 +197,15 @@ class AuditLog:
                 st.published += len(chunk)
                 st.settled += sum(1 for ev in chunk if ev.kind != "loss")
                 st.last_seq = max(st.last_seq, ack.seq)
-        while sum(len(c) for _, c in self.retry) > self.max_buffer:  # an outage: drop the oldest batches
-            i = next((i for i, (_, c) in enumerate(self.retry) if not _is_loss(c)), None)
-            if i is None:
+        while sum(len(c) for _, c in self.retry) > self.max_buffer:  # an outage: drop batches, fairly
+            held: dict[str, int] = defaultdict(int)
+            for s, c in self.retry:
+                if not _is_loss(c):
+                    held[s] += len(c)
+            if not held:
                 break  # only loss events left: those are kept whatever it takes
+            top = max(held, key=held.__getitem__)  # the oldest batch of the sandbox holding the most
+            i = next(i for i, (s, c) in enumerate(self.retry) if s == top and not _is_loss(c))
             sandbox, chunk = self.retry.pop(i)
             AUDIT_DROPPED.labels(self.node).inc(len(chunk))
             self._settle(sandbox, len(chunk))

@@ -26,7 +26,13 @@ so a racing thread could change it in between: the record is best effort, the is
 network, init protected by the pid namespace) does not depend on it. The
 filter accepts only the native ABI (oci.ARCHITECTURES): a call through i386 or x32 kills the
 caller (SIGSYS) before it runs, so none reaches the listener uninspected; sendmsg/sendmmsg are
-not watched and io_uring is refused."""
+not watched and io_uring is refused.
+
+Floods are throttled at the sandbox: each sandbox's notifications are answered at most
+NOTIFY_RATE per second (bursts of NOTIFY_BURST); past that its notify fd is not read for
+THROTTLE_PAUSE_S, so its notified calls wait in the kernel (the flooder slows down, the node-agent
+and the other sandboxes do not), and a "throttled" report says so (at most once a second per
+sandbox). Every call is still answered and reported: throttling loses no audit."""
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +59,11 @@ NOTIF = struct.Struct("=QIIiIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_dat
 RESP = struct.Struct("=QqiI")  # seccomp_notif_resp: id, val, error, flags (24 bytes)
 assert NOTIF.size == 80 and RESP.size == 24
 
+NOTIFY_RATE = 1000.0  # notifications per second a sandbox is answered at, sustained
+NOTIFY_BURST = 2000.0
+THROTTLE_PAUSE_S = 0.1
+THROTTLE_REPORT_S = 1.0
+
 AUDIT_ARCH_X86_64 = 0xC000003E
 AUDIT_ARCH_I386 = 0x40000003
 X32_SYSCALL_BIT = 0x40000000
@@ -78,6 +89,9 @@ IOCTL_NAMES = {v: k for k, v in oci.DENIED_IOCTLS.items()}
 
 WATCHED_CALLS = metrics.counter("corral_seccomp_watched_total", "Watched syscalls (connect, sendto, kill, ...) inspected and continued",
                                 ("node", "syscall"))
+THROTTLED = metrics.counter("corral_seccomp_throttled_total",
+                            "Times a sandbox's denied-syscall notifications outran NOTIFY_RATE and its notify fd was paused",
+                            ("node",))
 NOTIFIED = metrics.counter("corral_seccomp_notifications_total", "Denied syscalls seen by the seccomp-notify listener", ("node",))
 
 # (sandbox id, host pid, comm, syscall name, detail)
@@ -127,13 +141,38 @@ def _comm(pid: int) -> str:
         return ""
 
 
+class Bucket:
+    """One sandbox's notification budget (a token bucket) and what its throttling has been."""
+
+    def __init__(self, now: float):
+        self.tokens = NOTIFY_BURST
+        self.at = now
+        self.pauses = 0  # since the last report
+        self.reported = 0.0
+        self.last = ""  # the last call reported, named in the throttle report
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(NOTIFY_BURST, self.tokens + (now - self.at) * NOTIFY_RATE)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+ThrottleCallback = Callable[[str, str, dict[str, str]], None]  # sandbox, last call, detail
+
+
 class SeccompListener:
     """One unix socket per node; one notify fd per container, read on the event loop."""
 
-    def __init__(self, path: str, on_denied: Callback, node: str = "", on_watched: WatchCallback | None = None):
+    def __init__(self, path: str, on_denied: Callback, node: str = "", on_watched: WatchCallback | None = None,
+                 on_throttled: ThrottleCallback | None = None):
         self.path = path
         self.on_denied = on_denied
         self.on_watched = on_watched
+        self.on_throttled = on_throttled
+        self.buckets: dict[str, Bucket] = {}
         self.node = node
         self.sock: socket.socket | None = None
         self.fds: dict[str, int] = {}  # sandbox id -> notify fd
@@ -214,6 +253,8 @@ class SeccompListener:
         loop = asyncio.get_running_loop()
         loop.remove_reader(nfd)
         self.fds[new] = nfd
+        if old in self.buckets:
+            self.buckets[new] = self.buckets.pop(old)
         loop.add_reader(nfd, self._on_ready, new, nfd)
 
     def register(self, sid: str, nfd: int) -> None:
@@ -225,7 +266,38 @@ class SeccompListener:
         self.fds[sid] = nfd
         asyncio.get_running_loop().add_reader(nfd, self._on_ready, sid, nfd)
 
+    def _throttled(self, sid: str, nfd: int) -> bool:
+        """Spend one of the sandbox's tokens; with none left, stop reading its fd for a while."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        b = self.buckets.get(sid)
+        if b is None:
+            b = self.buckets[sid] = Bucket(now)
+        if b.take(now):
+            return False
+        loop.remove_reader(nfd)
+        loop.call_later(THROTTLE_PAUSE_S, self._resume, sid, nfd)
+        b.pauses += 1
+        THROTTLED.labels(self.node).inc()
+        if self.on_throttled is not None and now - b.reported >= THROTTLE_REPORT_S:
+            detail = {"rate_per_s": f"{NOTIFY_RATE:g}", "pause_ms": f"{THROTTLE_PAUSE_S * 1000:g}", "pauses": str(b.pauses)}
+            b.reported, b.pauses = now, 0
+            try:
+                self.on_throttled(sid, b.last, detail)
+            except Exception:
+                log.exception("seccomp audit callback failed")
+        return True
+
+    def _resume(self, sid: str, nfd: int) -> None:
+        if self.fds.get(sid) == nfd:  # still this sandbox's (not dropped, renamed or replaced)
+            asyncio.get_running_loop().add_reader(nfd, self._on_ready, sid, nfd)
+
     def _on_ready(self, sid: str, nfd: int) -> None:
+        if not self._throttled(sid, nfd):
+            self._serve(sid, nfd)
+
+    def _serve(self, sid: str, nfd: int) -> None:
+        """Answer and report one waiting notification, if there is one."""
         p = select.poll()
         p.register(nfd, select.POLLIN)
         ready = p.poll(0)
@@ -262,6 +334,8 @@ class SeccompListener:
             pass  # the caller was killed meanwhile
         name, detail = describe(arch, nr, tuple(args))
         NOTIFIED.labels(self.node).inc()
+        if (b := self.buckets.get(sid)) is not None:
+            b.last = name
         try:
             self.on_denied(sid, pid, comm, name, detail)
         except Exception:
@@ -309,11 +383,12 @@ class SeccompListener:
             ready = p.poll(0)
             if not ready or not ready[0][1] & select.POLLIN:
                 return
-            self._on_ready(sid, nfd)
+            self._serve(sid, nfd)  # not throttled: the grader waits on this
 
     def _drop(self, sid: str, nfd: int) -> None:
         if self.fds.get(sid) == nfd:
             del self.fds[sid]
+            self.buckets.pop(sid, None)
         self._close(nfd)
 
     def _close(self, nfd: int) -> None:
@@ -328,6 +403,7 @@ class SeccompListener:
 
     def unregister(self, sid: str) -> None:
         self.aliases.pop(sid, None)
+        self.buckets.pop(sid, None)
         nfd = self.fds.pop(sid, None)
         if nfd is not None:
             self._close(nfd)

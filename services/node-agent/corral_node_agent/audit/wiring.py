@@ -79,7 +79,8 @@ class AuditWiring:
         if not self.enabled:
             logs.kv(log, logging.WARNING, "auditing is off (--no-audit): no exec log, file activity or denied-syscall events")
         elif len(path.encode()) < 100:
-            self.seccomp = SeccompListener(path, self._on_denied_syscall, self.node, self._on_watched_syscall)
+            self.seccomp = SeccompListener(path, self._on_denied_syscall, self.node, self._on_watched_syscall,
+                                           self._on_syscall_flood)
             await self.seccomp.start()
         else:
             logs.kv(log, logging.WARNING, "state dir too long for the seccomp socket; denied syscalls are not audited", path=path)
@@ -278,6 +279,10 @@ class AuditWiring:
     def _on_denied_syscall(self, sid: str, pid: int, comm: str, name: str, detail: dict[str, str]) -> None:
         self.emit(AuditEvent(**self.base(sid), kind="syscall", syscall=name, pid=pid, comm=comm,
                              denied=True, op=detail.get("request", "") if name == "ioctl" else "", detail=detail))
+
+    def _on_syscall_flood(self, sid: str, last: str, detail: dict[str, str]) -> None:
+        """The sandbox's denied/watched calls outran the listener's rate: it is being slowed down."""
+        self.emit(AuditEvent(**self.base(sid), kind="syscall", syscall=last, op="throttled", denied=True, detail=detail))
 
     def _on_watched_syscall(self, sid: str, pid: int, comm: str, kind: str, op: str, target: str, denied: bool,
                             detail: dict[str, str]) -> None:

@@ -14,10 +14,18 @@
  * start, so an agent that restarts takes it back from here (pidfd_getfd) and keeps answering (and
  * auditing) the notified calls of the sandboxes it adopts. None of them reaches an exec'd child.
  *
+ * Privileges: init keeps CAP_SETUID, CAP_SETGID and CAP_SETPCAP (and nothing else) so that it can
+ * start harness commands as HARNESS_ID; every child drops all of them (bounding set included)
+ * before it execs, and dies rather than run with any left. Agent commands run as root without a
+ * capability; harness commands run as HARNESS_ID, so the agent's processes (another uid, no
+ * CAP_SYS_PTRACE, CAP_KILL or CAP_DAC_*) can neither read a harness process's /proc/<pid>/fd,
+ * mem or environ, nor signal it, nor read its scripts in the io dir.
+ *
  * Protocol (the node-agent is the only peer):
  *   request:  u32 little-endian payload length, then the payload, with SCM_RIGHTS fds on the first
  *             byte: [stdin, stdout, stderr, cgroup.procs fds...]. Payload is NUL-terminated tokens:
- *             "1", argc, argv..., envc, env..., cwd, ncgroup.
+ *             kind, argc, argv..., envc, env..., cwd, ncgroup; kind "1" runs an agent command,
+ *             "3" a harness command (as HARNESS_ID).
  *             A payload of just "1", "0" (argc 0, no fds) is a ping: the reply is u32 1, so the
  *             node-agent knows init has exec'd and serves requests. A payload of just "2" with
  *             one fd is a hold (see fd 6 above): the reply is u32 1 once it is kept.
@@ -41,6 +49,8 @@
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <unistd.h>
 
 #define LISTEN_FD 3
@@ -48,6 +58,7 @@
 #define NOTIFY_FD 6
 #define MAX_FDS 16
 #define MAX_PAYLOAD (4 * 1024 * 1024)
+#define HARNESS_ID 64222 /* uid and gid of harness commands (services/node-agent .../oci.py HARNESS_ID) */
 
 struct child { pid_t pid; int conn; };
 static struct child *children;
@@ -94,6 +105,29 @@ static void reply_u32(int conn, uint32_t v) {
     (void)w;
 }
 
+/* In a child, before exec: become HARNESS_ID (harness) or stay root (agent), with no capability in
+ * any set. Returns 0 only when nothing is left. */
+static int drop_privileges(int harness) {
+    if (harness && (setgroups(0, NULL) != 0 || setresgid(HARNESS_ID, HARNESS_ID, HARNESS_ID) != 0)) return -1;
+    for (int c = 0; c <= 63; c++) {
+        int has = prctl(PR_CAPBSET_READ, c, 0, 0, 0);
+        if (has < 0) break; /* past CAP_LAST_CAP */
+        if (has == 1 && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) != 0) return -1;
+    }
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    if (harness && setresuid(HARNESS_ID, HARNESS_ID, HARNESS_ID) != 0) return -1;
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct d[2];
+    memset(d, 0, sizeof d);
+    if (syscall(SYS_capset, &h, d) != 0) return -1;
+    if (syscall(SYS_capget, &h, d) != 0) return -1;
+    for (int i = 0; i < 2; i++)
+        if (d[i].effective || d[i].permitted || d[i].inheritable) return -1;
+    if (prctl(PR_CAPBSET_READ, CAP_SETUID, 0, 0, 0) != 0) return -1;
+    if (harness && (getuid() != HARNESS_ID || geteuid() != HARNESS_ID || getgid() != HARNESS_ID)) return -1;
+    return 0;
+}
+
 static void spawn(int conn) {
     char cbuf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
     uint32_t len = 0;
@@ -134,7 +168,9 @@ static void spawn(int conn) {
     /* tokenise */
     char *p = payload, *end = payload + len;
 #define NEXT() ({ char *_t = p; if (p >= end) goto fail; p += strlen(p) + 1; _t; })
-    if (strcmp(NEXT(), "1") != 0) goto fail;
+    char *kind = NEXT();
+    int harness = strcmp(kind, "3") == 0;
+    if (!harness && strcmp(kind, "1") != 0) goto fail;
     long argc = strtol(NEXT(), NULL, 10);
     if (argc < 1 || argc > 65536) goto fail;
     argv = calloc((size_t)argc + 1, sizeof(char *));
@@ -168,6 +204,10 @@ static void spawn(int conn) {
         if (oom >= 0) { ssize_t w = write(oom, "0", 1); (void)w; close(oom); }
         if (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0) _exit(125);
         syscall(SYS_close_range, 3, ~0U, 0);
+        if (drop_privileges(harness) != 0) {
+            dprintf(2, "corral: cannot drop privileges: %s\n", strerror(errno));
+            _exit(125);
+        }
         if (chdir(cwd) != 0) {
             dprintf(2, "corral: cannot change directory to %s: %s\n", cwd, strerror(errno));
             _exit(126);

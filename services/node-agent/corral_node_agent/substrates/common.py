@@ -21,6 +21,7 @@ from corral_common.contract.errors import Capacity, Conflict
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
+from ..oci import HARNESS_ID
 from ..sessions import Session
 from .base import ChunkCallback, Sandbox
 
@@ -48,6 +49,31 @@ class StayingSandbox(Sandbox):
         self.epoch = secrets.token_hex(3)
         self.paused = False
         self.lingering: set[str] = set()
+
+
+def make_io_dir(path: str) -> None:
+    """The sandbox's io dir, owned by the harness uid with mode 0711: the agent (root without
+    CAP_DAC_*, so "other" here) can open a file whose name it knows but cannot list the directory,
+    so session scripts and stdin files carry unguessable names, and a harness's are the harness
+    uid's own (0400)."""
+    os.makedirs(path, mode=0o711)
+    os.chown(path, HARNESS_ID, HARNESS_ID)
+    os.chmod(path, 0o711)
+
+
+def write_io_file(sb: StayingSandbox, name: str, data: bytes, harness: bool) -> str:
+    """Write one io file (an agent's readable by root, a harness's only by the harness uid); returns its host path."""
+    path = f"{sb.io}/{name}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400 if harness else 0o444)
+    try:
+        if harness:
+            os.fchown(fd, HARNESS_ID, HARNESS_ID)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    return path
 
 
 def save_record(sdir: str, record: msgspec.Struct) -> None:
@@ -132,20 +158,22 @@ async def session_exec(sb: StayingSandbox, req: ExecRequest, on_chunk: ChunkCall
         session = sb.sessions.get(req.session)
         if session is not None and session.alive and session.shell != req.shell:
             raise Conflict(f"session {req.session!r} runs {session.shell}, not {req.shell}: end it (`exit`) or use another name")
+        if session is not None and session.alive and session.harness != req.harness:
+            who = "the harness" if session.harness else "the agent"
+            raise Conflict(f"session {req.session!r} runs as {who}: use another name for "
+                           f"{'harness' if req.harness else 'agent'} commands")
         if session is None or not session.alive:
             if session is not None:
                 end(req.session)
             session = await start()
             sb.sessions[req.session] = session
-        n = next(sb.seq)
+        n = f"{next(sb.seq)}-{secrets.token_hex(16)}"  # unguessable: the io dir is not listable
         script = f"c{n}"
         text = req.cmd if isinstance(req.cmd, str) else " ".join(shlex.quote(a) for a in req.cmd)
-        with open(f"{sb.io}/{script}", "w") as f:
-            f.write(text + "\n")
+        write_io_file(sb, script, (text + "\n").encode(), req.harness)
         stdin_path = None
         if req.stdin:
-            with open(f"{sb.io}/i{n}", "wb") as f:
-                f.write(req.stdin.encode())
+            write_io_file(sb, f"i{n}", req.stdin.encode(), req.harness)
             stdin_path = f"{IO_MOUNT}/i{n}"
         cg = sb.cg
         assert cg is not None

@@ -30,7 +30,7 @@ from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
 from . import runc_cli
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
-from .common import adopt_exec_groups, load_record, save_record, unwatch_pidfd, watch_pidfd
+from .common import adopt_exec_groups, load_record, make_io_dir, save_record, unwatch_pidfd, watch_pidfd
 from .container_exec import exec_in
 from .container_sandbox import DEFAULT_ENV, INIT_NOTIFY_FD, ContainerSandbox, Record, init_responsive, mount_root
 from .runc_cli import readable
@@ -100,7 +100,7 @@ class ContainerSubstrate(Substrate):
         os.makedirs(sdir, mode=0o700, exist_ok=False)
         os.makedirs(f"{sdir}/rw")
         os.makedirs(f"{sdir}/rootfs")
-        os.makedirs(f"{sdir}/io", mode=0o755)
+        make_io_dir(f"{sdir}/io")
         mount_root(sdir, lower, spec.disk_mb)
         if spec.workdir not in ("", "/"):
             confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
@@ -119,6 +119,7 @@ class ContainerSubstrate(Substrate):
             memory_mb=spec.memory_mb,
             pids_max=spec.pids_max,
             seccomp_listener=self.seccomp_listener,
+            init_caps=True,
         )
         # protected paths are covered by decoys before anything in the sandbox runs (fail closed)
         cfg["mounts"].extend(masks.oci_mounts(masks.build(f"{sdir}/rootfs", list(spec.protected_paths), f"{sdir}/masks")))

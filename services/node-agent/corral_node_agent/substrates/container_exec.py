@@ -32,7 +32,7 @@ async def exec_in(sb: ContainerSandbox, req: ExecRequest, on_chunk: ChunkCallbac
         if not k or "=" in k or "\0" in k:
             raise InvalidRequest(f"invalid environment variable name {k!r}")
     if req.session:
-        return await session_exec(sb, req, on_chunk, lambda: start_session(sb, req.session, env, req.shell),
+        return await session_exec(sb, req, on_chunk, lambda: start_session(sb, req.session, env, req.shell, req.harness),
                                   lambda name: end_session(sb, name))
     cwd = req.cwd or sb.spec.workdir or "/"
     group = f"x{sb.epoch}-{next(sb.seq)}"
@@ -44,7 +44,7 @@ async def exec_in(sb: ContainerSandbox, req: ExecRequest, on_chunk: ChunkCallbac
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     child_fds = [in_r, out_w, err_w, *cg_fds]
     try:
-        spawned = await initclient.spawn(sb.ctl, argv, env, cwd, (in_r, out_w, err_w), cg_fds)
+        spawned = await initclient.spawn(sb.ctl, argv, env, cwd, (in_r, out_w, err_w), cg_fds, harness=req.harness)
     except (initclient.InitError, ValueError) as e:
         for fd in (*child_fds, in_w, out_r, err_r):
             os.close(fd)
@@ -88,15 +88,17 @@ async def exec_in(sb: ContainerSandbox, req: ExecRequest, on_chunk: ChunkCallbac
     )
 
 
-async def start_session(sb: ContainerSandbox, name: str, env: dict[str, str], shell: str) -> Session:
-    """A session's shell (`/bin/sh` or `/bin/bash`), forked by init into its own exec cgroup, stdio through pipes."""
+async def start_session(sb: ContainerSandbox, name: str, env: dict[str, str], shell: str, harness: bool) -> Session:
+    """A session's shell (`/bin/sh` or `/bin/bash`), forked by init into its own exec cgroup, stdio through pipes;
+    a harness session's shell runs as oci.HARNESS_ID, out of the agent's reach."""
     group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
     cg_fds = sb.cg.make_exec_group(group)
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        spawned = await initclient.spawn(sb.ctl, [SHELLS[shell]], env, sb.spec.workdir or "/", (in_r, out_w, err_w), cg_fds)
+        spawned = await initclient.spawn(sb.ctl, [SHELLS[shell]], env, sb.spec.workdir or "/", (in_r, out_w, err_w), cg_fds,
+                                         harness=harness)
     except initclient.InitError as e:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
@@ -104,7 +106,7 @@ async def start_session(sb: ContainerSandbox, name: str, env: dict[str, str], sh
     finally:
         for fd in (in_r, out_w, err_w, *cg_fds):
             os.close(fd)
-    return Session(name, group, in_w, out_r, err_r, spawned.wait(), shell)
+    return Session(name, group, in_w, out_r, err_r, spawned.wait(), shell, harness)
 
 
 def end_session(sb: ContainerSandbox, name: str) -> None:

@@ -45,7 +45,7 @@ from .. import cgroups, oci
 from ..layermounts import LayerMounts
 from . import docker_disk, docker_files
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
-from .common import IO_MOUNT, adopt_exec_groups, load_record, save_record, unwatch_pidfd, watch_pidfd
+from .common import IO_MOUNT, adopt_exec_groups, load_record, make_io_dir, save_record, unwatch_pidfd, watch_pidfd
 from .docker_exec import close_session, exec_in
 from .docker_sandbox import DockerSandbox, Record, cgroup_rel, docker_error
 
@@ -124,7 +124,7 @@ class DockerSubstrate(Substrate):
         ref = await self._resolve_image(spec.image)
         sid = info.id
         sdir = f"{self.dir}/{sid}"
-        os.makedirs(f"{sdir}/io", mode=0o755)
+        make_io_dir(f"{sdir}/io")
         cfg: dict[str, Any] = {
             "Image": ref,
             "Entrypoint": ["/bin/sh"],  # reads its (open, never written) stdin forever: the sandbox stays up

@@ -20,6 +20,7 @@ from corral_common.contract.messages import ExecRequest, ExecResult
 
 from .. import cgroups
 from ..aio import wait_readable as _wait_readable
+from ..oci import HARNESS_ID
 from ..output import Capture
 from ..sessions import SHELLS, Session
 from .base import ChunkCallback
@@ -32,14 +33,16 @@ WRAPPER = ('read -r _ || exit 125; command -v -- "$1" >/dev/null 2>&1 || '
            '{ printf "corral: cannot run %s: No such file or directory\\n" "$1" >&2; exit 127; }; exec "$@"')
 
 
-async def _start(sb: DockerSandbox, argv: list[str], env: dict[str, str], cwd: str | None):
-    """Start the wrapped command; returns (exec, stream, host pid) with the wrapper waiting for
-    its go-ahead line, or (exec, stream, 0) when Docker could not start it at all."""
+async def _start(sb: DockerSandbox, argv: list[str], env: dict[str, str], cwd: str | None, harness: bool = False):
+    """Start the wrapped command (as oci.HARNESS_ID when `harness`); returns (exec, stream, host
+    pid) with the wrapper waiting for its go-ahead line, or (exec, stream, 0) when Docker could not
+    start it at all."""
     from aiodocker.exceptions import DockerError
 
     try:
         ex = await sb.container.exec(["/bin/sh", "-c", WRAPPER, "corral-exec", *argv], stdin=True, stdout=True, stderr=True,
-                                     environment=env, workdir=cwd)
+                                     environment=env, workdir=cwd,
+                                     user=f"{HARNESS_ID}:{HARNESS_ID}" if harness else "")
         stream = ex.start(detach=False)
         await stream._init()
         deadline = time.monotonic() + 30
@@ -71,7 +74,7 @@ async def exec_in(sb: DockerSandbox, req: ExecRequest, on_chunk: ChunkCallback |
     if any("\0" in s for s in (*argv, *req.env.values(), req.cwd or "")):
         raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
     if req.session:
-        return await session_exec(sb, req, on_chunk, lambda: _start_session(sb, req.session, req.shell),
+        return await session_exec(sb, req, on_chunk, lambda: _start_session(sb, req.session, req.shell, req.harness),
                                   lambda name: close_session(sb, name))
     assert sb.cg is not None
     t0 = time.perf_counter()
@@ -79,7 +82,7 @@ async def exec_in(sb: DockerSandbox, req: ExecRequest, on_chunk: ChunkCallback |
     if not cwd.startswith("/"):
         cwd = "/" + cwd
     group = f"x{sb.epoch}-{next(sb.seq)}"
-    ex, stream, pid = await _start(sb, argv, req.env, cwd)
+    ex, stream, pid = await _start(sb, argv, req.env, cwd, req.harness)
     caps = {"stdout": Capture(req.max_output_bytes), "stderr": Capture(req.max_output_bytes)}
     if not pid:  # Docker refused to start it: bad cwd, no /bin/sh in the image, ...
         text = await _drain(stream, 2.0)
@@ -135,10 +138,10 @@ async def exec_in(sb: DockerSandbox, req: ExecRequest, on_chunk: ChunkCallback |
                       signal=signal.SIGKILL if (timed_out or oom or code == 137) else None)
 
 
-async def _start_session(sb: DockerSandbox, name: str, shell: str) -> Session:
+async def _start_session(sb: DockerSandbox, name: str, shell: str, harness: bool) -> Session:
     assert sb.cg is not None
     group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
-    ex, stream, pid = await _start(sb, [SHELLS[shell]], {}, sb.spec.workdir or "/")
+    ex, stream, pid = await _start(sb, [SHELLS[shell]], {}, sb.spec.workdir or "/", harness)
     if not pid:
         text = await _drain(stream, 2.0)
         await stream.close()
@@ -150,7 +153,7 @@ async def _start_session(sb: DockerSandbox, name: str, shell: str) -> Session:
         raise Internal(f"cannot move the session shell of {sb.id} into its cgroup: {e}") from None
     await stream.write_in(b"\n")
     bridge = Bridge(ex, stream, pid)
-    session = Session(name, group, bridge.stdin_w, bridge.out_r, bridge.err_r, bridge.wait(), shell)
+    session = Session(name, group, bridge.stdin_w, bridge.out_r, bridge.err_r, bridge.wait(), shell, harness)
     sb.sessions[name] = session
     sb.session_links[name] = bridge
     return session

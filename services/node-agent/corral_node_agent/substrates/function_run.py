@@ -58,6 +58,8 @@ async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, re
                      cgroups_path="/" + cg.rel, env=env, cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max)
     cfg["process"]["args"] = argv
     cfg["process"]["cwd"] = cwd
+    if req.harness:
+        cfg["process"]["user"] = {"uid": oci.HARNESS_ID, "gid": oci.HARNESS_ID}
     cfg["mounts"] = [m for m in cfg["mounts"] if not m["destination"].startswith("/.corral")]
     for ns in cfg["linux"]["namespaces"]:
         if ns["type"] == "network":
