@@ -12,7 +12,9 @@ import sys
 import tempfile
 
 import nats
+import pytest
 
+from corral_common import auth
 from corral_common.contract import subjects
 from corral_sdk import AsyncClient, Client
 from corral_sdk.stack import free_port
@@ -24,7 +26,7 @@ from ..leaks import assert_clean, inits_of_node, processes_with
 async def _claim_reason(url: str) -> str:
     """Once every node heartbeats a warm busybox sandbox (--warm-pool passed on to the nodes),
     create one and return its `created` event's reason."""
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **auth.connect_options(url))
     warm: dict[str, int] = {}
     created: dict[str, str] = {}
 
@@ -70,6 +72,10 @@ def test_corral_up_ready_line_and_clean_shutdown():
     try:
         line = p.stdout.readline()
         assert line == f"corral ready nats://127.0.0.1:{port}\n", (line, p.stderr.read() if p.poll() is not None else "")
+        # the bus wants credentials; `corral up` wrote the operator's into its data dir
+        with pytest.raises(Exception, match="(?i)authoriz"):
+            asyncio.run(nats.connect(f"nats://127.0.0.1:{port}", max_reconnect_attempts=0, allow_reconnect=False))
+        os.environ[auth.CREDS_ENV] = auth.creds_path("admin", data)
         with Client(f"nats://127.0.0.1:{port}") as c:
             sbs = c.create_batch(4, image="busybox", cpu=0.1, memory_mb=32)
             assert {s.info.node for s in sbs} == {"node-1", "node-2"}  # spread over both nodes
@@ -81,6 +87,7 @@ def test_corral_up_ready_line_and_clean_shutdown():
         rest = p.stdout.read()
         assert "corral ready" not in rest  # exactly one ready line
     finally:
+        os.environ.pop(auth.CREDS_ENV, None)
         if p.poll() is None:
             p.kill()
             p.wait()

@@ -18,7 +18,7 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
-from . import metrics
+from . import auth, metrics
 from .contract import envelope, subjects
 from .contract.errors import Code, CorralError
 from .discovery import Discovery
@@ -28,7 +28,9 @@ T = TypeVar("T")
 
 
 async def connect(url: str, name: str, **kw: Any) -> NATS:
-    """Connect with reconnects forever: services must outlive a NATS restart."""
+    """Connect with reconnects forever (services must outlive a NATS restart), as the identity
+    the environment's credentials name (auth.py)."""
+    kw = {**auth.connect_options(url), **kw}
     return await nats.connect(
         url,
         name=name,

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config
+from corral_common import auth, config
 from corral_common.contract import subjects
 from corral_common.contract.envelope import R
 from corral_common.contract.errors import CorralError, InvalidRequest
@@ -92,7 +92,10 @@ def up(
         if stack.gateway_url:
             console.print(f"SandboxFusion gateway: {stack.gateway_url}/run_code")
         console.print(f"logs: {stack.data_dir}/logs")
-        print(f"corral ready {stack.url}", flush=True)
+        if stack.creds:
+            console.print(f"credentials: {stack.creds} (found by the SDK and CLI for the default data dir; "
+                          f"elsewhere set {auth.CREDS_ENV})")
+        print(f"corral ready {stack.bus_url}", flush=True)
         await stop.wait()
         console.print("corral: shutting down")
         await stack.stop()
@@ -462,6 +465,10 @@ _register_envs(app, PASSTHROUGH)
 from .cli_substrates import register as _register_substrates  # noqa: E402  (run, image export/import-docker)
 
 _register_substrates(app, image_app)
+
+from .cli_tenants import register as _register_tenants  # noqa: E402  (tenant add|list|revoke)
+
+_register_tenants(app)
 
 from .cli_integrations import register as _register_integrations  # noqa: E402  (mcp, tools)
 

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from corral_common import config, extras
+from corral_common import auth, config, extras
 from corral_common.contract import subjects
 from corral_common.contract.audit import QueryReply, QueryRequest
 from corral_common.contract.envelope import decode_reply
@@ -86,7 +86,8 @@ class Querier:
             import nats
 
             try:
-                self._nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=1)
+                self._nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=1,
+                                             **auth.connect_options(self.nats_url))
             except Exception as e:
                 raise CorralError(f"cannot connect to NATS at {self.nats_url}: {e}") from None
         return self

@@ -15,7 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from corral_common import config
+from corral_common import auth, config
 from corral_common.contract import subjects
 from corral_common.contract.envelope import R, decode_reply
 from corral_common.contract.errors import Capacity, InvalidRequest, NotFound, Timeout, Unavailable
@@ -68,13 +68,15 @@ class AsyncClient:
         self._own = own
 
     @classmethod
-    async def connect(cls, url: str | None = None, nc: NATS | None = None) -> AsyncClient:
+    async def connect(cls, url: str | None = None, nc: NATS | None = None, creds: str | None = None) -> AsyncClient:
+        """Connect to `url` (default $CORRAL_NATS_URL, else the local stack) as the identity in
+        `creds` (a credentials file; default $CORRAL_NATS_CREDS, else the local stack's)."""
         if nc is not None:
             return cls(nc, own=False)
         url = config.nats_url(url)
         try:
             conn = await nats.connect(url, name="corral-sdk", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                                      connect_timeout=5, allow_reconnect=True)
+                                      connect_timeout=5, allow_reconnect=True, **auth.connect_options(url, creds))
         except Exception as e:
             raise Unavailable(f"cannot connect to NATS at {url}: {e}") from None
         return cls(conn, own=True)

@@ -15,8 +15,9 @@ import re
 import tempfile
 
 import nats
+from nats.aio.client import Client as NATS
 
-from corral_common import config, dockerimg
+from corral_common import auth, config, dockerimg
 from corral_common.contract import subjects
 from corral_common.contract.envelope import decode_reply
 from corral_common.contract.images import ImageManifest, ImportReply, ImportRequest
@@ -29,8 +30,13 @@ def corral_name(docker_ref: str) -> str:
     return (n or "docker-image")[:128]
 
 
+async def _connect(nats_url: str | None) -> NATS:
+    url = config.nats_url(nats_url)
+    return await nats.connect(url, **auth.connect_options(url))
+
+
 async def export_image(nats_url: str | None, name: str, ref: str | None = None) -> str:
-    nc = await nats.connect(config.nats_url(nats_url))
+    nc = await _connect(nats_url)
     try:
         return await dockerimg.export_to_docker(nc.jetstream(), name, ref)
     finally:
@@ -46,7 +52,7 @@ async def import_docker_image(nats_url: str | None, docker_ref: str, name: str |
     try:
         await dockerimg.save_image(docker, docker_ref, path)
         os.chmod(path, 0o644)
-        nc = await nats.connect(config.nats_url(nats_url))
+        nc = await _connect(nats_url)
         try:
             req = ImportRequest(name=name, source="docker_archive", path=path, labels={"docker_image": docker_ref, **(labels or {})})
             msg = await nc.request(subjects.IMAGE_IMPORT, encoder.encode(req), timeout=timeout)

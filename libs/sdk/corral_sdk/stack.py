@@ -19,12 +19,13 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
-from corral_common import extras
+from corral_common import auth, extras
 from corral_common.contract import subjects
 from corral_common.contract.errors import Unavailable
 from corral_common.contract.messages import Heartbeat
 
-from . import stackguard
+from . import stackauth, stackguard
+from .stackauth import OPERATOR
 
 
 def free_port() -> int:
@@ -50,6 +51,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     metrics_url: str = ""
     argv: list[str] = field(default_factory=list)
+    identity: str | None = None  # whose credentials it connects to the bus with
 
 
 @dataclass
@@ -74,10 +76,25 @@ class Stack:
     ephemeral: bool = False  # data_dir is the owner's scratch: the guard removes it if the owner dies
     guard: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _guard_w: int | None = field(default=None, init=False, repr=False)  # the pipe end whose close tells the guard the owner is gone
+    passwords: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # identity -> password (stackauth)
+
+    @property
+    def bus_url(self) -> str:
+        """The NATS URL without credentials (what services are given; each brings its own)."""
+        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
 
     @property
     def url(self) -> str:
-        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+        """The NATS URL a client of this stack connects with: the operator's credentials in it
+        when the stack runs its own NATS (which requires them)."""
+        if self.nats_url or OPERATOR not in self.passwords:
+            return self.bus_url
+        return f"nats://{OPERATOR}:{self.passwords[OPERATOR]}@127.0.0.1:{self.nats_port}"
+
+    @property
+    def creds(self) -> str:
+        """The operator's credentials file ("" when the stack does not run its own NATS)."""
+        return auth.creds_path(OPERATOR, self.data_dir) if self.passwords else ""
 
     @property
     def gateway_url(self) -> str:
@@ -88,11 +105,14 @@ class Stack:
         os.makedirs(d, exist_ok=True)
         return open(os.path.join(d, f"{name}.log"), "ab")
 
-    def _start(self, name: str, argv: list[str], metrics_url: str = "") -> Proc:
+    def _start(self, name: str, argv: list[str], metrics_url: str = "", identity: str | None = None) -> Proc:
         log = self._log(name)
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        env = dict(os.environ)
+        if identity is not None and self.passwords:
+            env[auth.CREDS_ENV] = auth.creds_path(identity, self.data_dir)
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         log.close()
-        proc = Proc(name, p, metrics_url, argv)
+        proc = Proc(name, p, metrics_url, argv, identity)
         self.procs.append(proc)
         self._tell_guard(f"+ {p.pid} {name}\n".encode())
         return proc
@@ -146,7 +166,7 @@ class Stack:
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running")
         self.procs.remove(old)
-        return self._start(name, old.argv, old.metrics_url)
+        return self._start(name, old.argv, old.metrics_url, old.identity)
 
     def substrate_args(self) -> list[str]:
         """`container` and `function` on every node by default, `docker` too with `docker=True`;
@@ -184,41 +204,40 @@ class Stack:
     async def _start_all(self, timeout: float) -> None:
         if self.nats_url is None:
             store = os.path.join(self.data_dir, "nats")
-            conf = os.path.join(self.data_dir, "nats.conf")
-            with open(conf, "w") as f:
-                # 8 MB payloads: files.write and exec output travel base64/JSON-encoded in one message
-                f.write(f'listen: "127.0.0.1:{self.nats_port}"\nmax_payload: 8MB\njetstream {{ store_dir: "{store}" }}\n')
+            self.passwords = stackauth.ensure_credentials(self.data_dir)
+            conf = stackauth.write_server_config(self.data_dir, f"127.0.0.1:{self.nats_port}", store)
             self._start("nats-server", [nats_server_binary(), "-c", conf])
             await self._wait_port("127.0.0.1", self.nats_port, timeout)
         py = sys.executable
         img = ["--image-dir", self.image_dir] if self.image_dir else []
         port = self._mport(1)
-        self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.url, "--metrics-port", str(port), *img],
-                    f"http://127.0.0.1:{port}/metrics")
+        self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.bus_url, "--metrics-port", str(port), *img],
+                    f"http://127.0.0.1:{port}/metrics", "image-cache")
         await self._wait_request(subjects.IMAGE_INSPECT, b'{"name": "busybox"}', timeout)
         port = self._mport(0)
-        self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.url, "--metrics-port", str(port), *self.scheduler_args],
-                    f"http://127.0.0.1:{port}/metrics")
+        self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.bus_url, "--metrics-port", str(port), *self.scheduler_args],
+                    f"http://127.0.0.1:{port}/metrics", "scheduler")
         if self.monitor:
             port = self._mport(2)
-            self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.url, "--clickhouse",
+            self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.bus_url, "--clickhouse",
                                     f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port),
                                     *self.monitor_args],
-                        f"http://127.0.0.1:{port}/metrics")
+                        f"http://127.0.0.1:{port}/metrics", "monitor")
         if self.env_builder:
             port = self._mport(3)
-            self._start("env-builder", [py, "-m", "corral_env_builder", "--nats", self.url, "--metrics-port", str(port),
-                                        *self.env_builder_args], f"http://127.0.0.1:{port}/metrics")
+            self._start("env-builder", [py, "-m", "corral_env_builder", "--nats", self.bus_url, "--metrics-port", str(port),
+                                        *self.env_builder_args], f"http://127.0.0.1:{port}/metrics", "env-builder")
         for i in range(self.nodes):
             node = f"node-{i + 1}"
             nd = os.path.join(self.data_dir, "nodes", node)
             port = self._mport(11 + 2 * i)
-            self._start(f"loader-{i + 1}", [py, "-m", "corral_image_cache.loader", "--nats", self.url, "--node", node,
+            self._start(f"loader-{i + 1}", [py, "-m", "corral_image_cache.loader", "--nats", self.bus_url, "--node", node,
                                             "--mount", os.path.join(nd, "fuse"), "--cache-dir", os.path.join(nd, "cache"),
-                                            "--metrics-port", str(port)], f"http://127.0.0.1:{port}/metrics")
+                                            "--metrics-port", str(port)], f"http://127.0.0.1:{port}/metrics", "image-loader")
             port = self._mport(10 + 2 * i)
-            self._start(node, [py, "-m", "corral_node_agent", "--nats", self.url, "--node", node, "--state-dir", self.data_dir,
-                               "--metrics-port", str(port), *self.substrate_args(), *self.node_args], f"http://127.0.0.1:{port}/metrics")
+            self._start(node, [py, "-m", "corral_node_agent", "--nats", self.bus_url, "--node", node, "--state-dir", self.data_dir,
+                               "--metrics-port", str(port), *self.substrate_args(), *self.node_args], f"http://127.0.0.1:{port}/metrics",
+                        "node-agent")
         await self._wait_ready(timeout)
         if self.monitor:
             await self._wait_request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout)
@@ -226,8 +245,8 @@ class Stack:
             await self._wait_request(subjects.ENV_LIST, b"{}", timeout)
         if self.gateway_port is not None:
             self.gateway_port = self.gateway_port or free_port()
-            self._start("gateway", [py, "-m", "corral_gateway", "--nats", self.url, "--port", str(self.gateway_port), *self.gateway_args],
-                        f"{self.gateway_url}/metrics")
+            self._start("gateway", [py, "-m", "corral_gateway", "--nats", self.bus_url, "--port", str(self.gateway_port), *self.gateway_args],
+                        f"{self.gateway_url}/metrics", "gateway")
             await self._wait_port("127.0.0.1", self.gateway_port, timeout)
 
     async def _wait_port(self, host: str, port: int, timeout: float) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from corral_common import tenancy
 from corral_common.contract import labels, subjects
 from corral_common.contract.audit import AlertSummary, EvaluateReply, EvaluateRequest, Finding
 from corral_common.contract.envs import (
@@ -62,12 +63,14 @@ class Grader:
     def __init__(self, client: AsyncClient, catalog: EnvCatalog):
         self.client, self.catalog = client, catalog
 
-    async def grade(self, req: EnvGradeRequest) -> EnvGradeResult:
+    async def grade(self, req: EnvGradeRequest, who: str | None = None) -> EnvGradeResult:
+        """Grade `req.sandbox_id` for `who` (a tenant may grade only its own rollouts; None: the operator)."""
         t0 = time.perf_counter()
         if not SANDBOX_ID.match(req.sandbox_id):
             raise InvalidRequest(f"invalid sandbox id {req.sandbox_id!r}")
         rollout = self.client.sandbox(req.sandbox_id)
         info = await rollout.refresh()
+        tenancy.check_owner(who, info.tenant, f"sandbox {req.sandbox_id}")
         name = req.name or info.labels.get(ENV_LABEL, "")
         if not name:
             raise InvalidRequest(f"sandbox {req.sandbox_id} has no {ENV_LABEL!r} label: pass the environment's `name`")

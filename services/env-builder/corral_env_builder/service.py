@@ -12,7 +12,7 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, tenancy
 from corral_common.contract import subjects
 from corral_common.contract.envs import (
     EnvBuildReply,
@@ -73,11 +73,12 @@ class EnvBuilder:
         self.grader = Grader(self.client, self.catalog)
         self.responder = bus.Responder(self.nc, "env-builder", package="corral_env_builder")
         q = subjects.ENV_QUEUE
-        await self.responder.serve(subjects.ENV_BUILD, self._on_build, "build", queue=q)
+        # the catalog is shared by every tenant: what goes in and out of it is the operator's
+        await self.responder.serve(subjects.ENV_BUILD, tenancy.for_operator(self._on_build, "building environments"), "build", queue=q)
         await self.responder.serve(subjects.ENV_LIST, self._on_list, "list", queue=q)
         await self.responder.serve(subjects.ENV_GET, self._on_get, "get", queue=q)
         await self.responder.serve(subjects.ENV_GRADE, self._on_grade, "grade", queue=q)
-        await self.responder.serve(subjects.ENV_DELETE, self._on_delete, "delete", queue=q)
+        await self.responder.serve(subjects.ENV_DELETE, tenancy.for_operator(self._on_delete, "deleting environments"), "delete", queue=q)
         metrics.UP.labels("env-builder").set(1)
         logs.kv(log, logging.INFO, "env-builder ready", metrics=self.metrics_url, parallel_builds=self.cfg.parallel_builds)
         await stop.wait()
@@ -131,7 +132,7 @@ class EnvBuilder:
         t0 = time.perf_counter()
         outcome = "error"
         try:
-            res = await self.grader.grade(req)
+            res = await self.grader.grade(req, tenancy.caller(msg))
             outcome = "flagged" if res.alerts and res.reward == 0 and res.passed else ("pass" if res.reward > 0 else "fail")
             return EnvGradeReply(grade=res)
         finally:

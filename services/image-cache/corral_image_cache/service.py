@@ -14,7 +14,7 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, tenancy
 from corral_common.contract import subjects
 from corral_common.contract.errors import InvalidRequest, NotFound
 from corral_common.contract.images import (
@@ -70,10 +70,11 @@ class ImageCache:
             await self._ensure_builtin(name, build=(name == "busybox"))
         self.responder = bus.Responder(self.nc, "image-cache", package="corral_image_cache")
         q = "corral-image-cache"
-        await self.responder.serve(subjects.IMAGE_IMPORT, self._on_import, "import", queue=q)
+        # importing reads paths of this host, deleting affects everyone: the operator's
+        await self.responder.serve(subjects.IMAGE_IMPORT, tenancy.for_operator(self._on_import, "importing images"), "import", queue=q)
         await self.responder.serve(subjects.IMAGE_LIST, self._on_list, "list", queue=q)
         await self.responder.serve(subjects.IMAGE_INSPECT, self._on_inspect, "inspect", queue=q)
-        await self.responder.serve(subjects.IMAGE_DELETE, self._on_delete, "delete", queue=q)
+        await self.responder.serve(subjects.IMAGE_DELETE, tenancy.for_operator(self._on_delete, "deleting images"), "delete", queue=q)
         metrics.UP.labels("image-cache").set(1)
         IMAGES.set(len(await self.catalog.image_names()))
         logs.kv(log, logging.INFO, "image-cache ready", metrics=self.metrics_url, images=await self.catalog.image_names())

@@ -11,7 +11,7 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, tenancy
 from corral_common.contract import subjects
 from corral_common.contract.audit import RulesReply
 
@@ -72,7 +72,8 @@ class Monitor:
         self.store = store = await asyncio.to_thread(wait_connect, cfg.clickhouse, cfg.database, ttl_days=ttl)
         self.responder = bus.Responder(self.nc, "monitor", package="corral_monitor")
         query = QueryService(store, self.ready)
-        await self.responder.serve(QUERY_SUBJECT, query.handle, "query", queue=QUEUE)
+        # SQL over every tenant's audit, and the grader's evaluation: the operator's and corral's own
+        await self.responder.serve(QUERY_SUBJECT, tenancy.for_operator(query.handle, "querying the audit store"), "query", queue=QUEUE)
         await self.responder.serve(RULES_SUBJECT, self._on_rules, "rules", queue=QUEUE)
 
         dead = DeadLetters(self.js)
@@ -99,7 +100,8 @@ class Monitor:
         await audit.setup()
         await events.setup()
         evaluator = Evaluator(store, detector, alerts, stored, audit.stored_floor, self.ready)
-        await self.responder.serve(subjects.MONITOR_EVALUATE, evaluator.handle, "evaluate", queue=QUEUE)
+        await self.responder.serve(subjects.MONITOR_EVALUATE, tenancy.for_operator(evaluator.handle, "evaluating rollouts"),
+                                   "evaluate", queue=QUEUE)
         self.ready.set()
         gc.freeze()  # what start-up allocated (modules, rules, ClickHouse client) is never collected
         metrics.UP.labels("monitor").set(1)

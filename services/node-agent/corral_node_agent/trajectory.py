@@ -25,7 +25,7 @@ from nats.js.errors import NotFoundError
 
 from corral_common import bus
 from corral_common.contract import subjects
-from corral_common.contract.errors import Conflict, InvalidRequest, NotFound
+from corral_common.contract.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec, TrajEntry, TrajMeta, TrajSnapshot, encoder
 from corral_common.contract.traj import bare, input_hash
 
@@ -175,6 +175,8 @@ class TrajectoryLog:
             meta = await self.create(TrajMeta(id=tid, sandbox_id=sandbox_id, spec=spec, node=node, created_at=now,
                                               updated_at=now))
             log.info("trajectory opened by its first exec", extra={"fields": {"trajectory": tid, "sandbox": meta.sandbox_id}})
+        if meta is not None and meta.spec.tenant != spec.tenant:
+            raise Forbidden(f"trajectory {tid!r} belongs to another tenant")
         last = meta.last_step if meta else -1
         if step > last + 1:
             raise InvalidRequest(

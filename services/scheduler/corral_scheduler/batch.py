@@ -41,7 +41,7 @@ from corral_common.contract.messages import (
 )
 from corral_common.contract.replies import BatchFailure, CreateBatchReply, NodeBatchReply
 
-from . import placement
+from . import placement, tenants
 from .counters import BATCH_SECONDS, PLACEMENTS, REJECTIONS
 from .placements import Placements
 from .quotas import Admission
@@ -252,7 +252,7 @@ class Batches:
 
     async def on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)
-        spec = req.spec
+        spec = req.spec = tenants.stamp(msg, req.spec)
         placement.check_substrate(self.registry, spec)
         rid = spec.request_id
         batch_id = req.batch_id or (default_batch_id(rid) if rid else new_id("batch"))

@@ -26,7 +26,7 @@ from corral_common.contract.errors import Code, CorralError, Unavailable
 from corral_common.contract.messages import NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id
 from corral_common.contract.replies import NodeCreateReply, SandboxReply
 
-from . import placement
+from . import placement, tenants
 from .counters import PLACEMENTS, REJECTIONS
 from .placements import Placements
 from .quotas import Admission
@@ -55,7 +55,7 @@ class Creates:
         self.node_timeout_s = node_timeout_s
 
     async def on_create(self, msg: Msg) -> SandboxReply | None:
-        spec = bus.decode(msg.data, SandboxSpec)
+        spec = tenants.stamp(msg, bus.decode(msg.data, SandboxSpec))
         placed = await self.create(spec, reply_to=msg.reply or "")
         return None if placed.replied else SandboxReply(sandbox=placed.info)
 

@@ -8,7 +8,7 @@ import asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from corral_common import bus
+from corral_common import bus, tenancy
 from corral_common.contract.envelope import error
 from corral_common.contract.messages import ListRequest
 from corral_common.contract.replies import SandboxListReply
@@ -31,8 +31,11 @@ class Listing:
 
     async def on_list(self, msg: Msg) -> SandboxListReply:
         req = bus.decode(msg.data, ListRequest)
+        who = tenancy.caller(msg)
         out = []
         for info in self.placements.placed.values():
+            if who is not None and info.tenant != who:
+                continue
             if req.job is not None and info.job != req.job:
                 continue
             if req.node is not None and info.node != req.node:

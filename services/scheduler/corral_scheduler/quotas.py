@@ -13,7 +13,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from corral_common import bus
+from corral_common import bus, tenancy
 from corral_common.contract import subjects
 from corral_common.contract.errors import Capacity, InvalidRequest, NotFound
 from corral_common.contract.messages import JobQuota, QuotaGetRequest, QuotaSetRequest, SandboxInfo, SandboxSpec
@@ -142,7 +142,8 @@ class Admission:
             self.pending.pop(spec.job, None)
 
     async def on_set(self, msg: Msg) -> QuotaReply:
-        """`corral.v1.quota.set`."""
+        """`corral.v1.quota.set` (the operator's: quotas bound every tenant's jobs)."""
+        tenancy.operator_only(tenancy.caller(msg), "setting quotas")
         r = bus.decode(msg.data, QuotaSetRequest)
         key = r.job or "_default"
         if not key.replace("_", "").replace("-", "").replace(".", "").isalnum():

@@ -36,7 +36,7 @@ from corral_common.contract.errors import Code, Conflict, CorralError, InvalidRe
 from corral_common.contract.messages import NodeRun, RunRequest, SandboxSpec, encoder
 from corral_common.contract.replies import RunReply
 
-from . import placement
+from . import placement, tenants
 from .counters import PLACEMENTS, REJECTIONS
 from .registry import Policy, Registry
 
@@ -194,7 +194,7 @@ class Runs:
 
     async def on_run(self, msg: Msg) -> RunReply:
         req = bus.decode(msg.data, RunRequest)
-        spec = req.spec.to_spec()
+        spec = tenants.stamp(msg, req.spec.to_spec())
         placement.check_substrate(self.registry, spec, one_shot=True)
         if isinstance(req.exec.cmd, str) and not req.exec.cmd.strip():
             raise InvalidRequest("exec.cmd is empty")

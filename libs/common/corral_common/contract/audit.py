@@ -14,7 +14,8 @@ from .envelope import Reply
 from .messages import Request
 
 # loss: events of this sandbox that never reached the stream (detail: reason, count); the record is incomplete
-AuditKind = Literal["exec", "file", "syscall", "net", "signal", "oom", "pids", "lifecycle", "canary", "error", "loss"]
+# access: a tenant tried an operation on another tenant's sandbox (refused; detail: tenant, op)
+AuditKind = Literal["exec", "file", "syscall", "net", "signal", "oom", "pids", "lifecycle", "canary", "error", "loss", "access"]
 Severity = Literal["info", "low", "medium", "high", "critical"]
 
 

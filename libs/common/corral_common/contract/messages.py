@@ -43,6 +43,9 @@ class SandboxSpec(Request, kw_only=True):
     request_id: Annotated[str, Meta(max_length=256)] = ""
     pids_max: Annotated[int, Meta(ge=8, le=65536)] = 1024
     placement: Literal["spread", "pack"] = "spread"
+    # the tenant it is for: set by the scheduler from the caller's authenticated account (what a
+    # tenant writes here is replaced); the operator may create for a tenant
+    tenant: Annotated[str, Meta(max_length=32, pattern=r"^([a-z][a-z0-9-]*)?$")] = ""
 
 
 class SandboxInfo(Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -61,6 +64,7 @@ class SandboxInfo(Struct, kw_only=True, omit_defaults=True, gc=False):
     cpu: float = 0.0
     memory_mb: int = 0
     request_id: str = ""
+    tenant: str = ""  # who created it (from the bus's authentication); "" for the operator's
 
 
 class RunSpec(SandboxSpec, kw_only=True):

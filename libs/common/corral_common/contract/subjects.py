@@ -160,3 +160,26 @@ def kv_key(bucket: str, key: str) -> str:
     """The subject a KV bucket stores `key` under (`>`/`*` to watch): a plain publish there is a
     put without waiting for the ack; a subscription there sees every put."""
     return f"$KV.{bucket}.{key}"
+
+
+# JetStream's own API subjects, for the server's permissions (who may read a bucket's stream,
+# delete or purge a stream); see the JetStream API reference
+def js_api(verb: str, stream: str) -> str:
+    """`$JS.API.<verb>.<stream>`, e.g. js_api("STREAM.INFO", "KV_corral_envs")."""
+    return f"$JS.API.{verb}.{stream}"
+
+
+def kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def kv_stream_access(bucket: str) -> list[str]:
+    """Every subject that reads or changes a KV bucket: its keys, and any JetStream API call naming
+    its stream (info, direct and message gets, consumers of any kind, purge, delete)."""
+    s = kv_stream(bucket)
+    return [kv_key(bucket, ">"), f"$JS.API.*.*.{s}", f"$JS.API.*.*.{s}.>", f"$JS.API.*.*.*.{s}", f"$JS.API.*.*.*.{s}.>"]
+
+
+def stream_erasure(stream: str) -> list[str]:
+    """The JetStream API calls that remove stored messages of `stream`."""
+    return [js_api("STREAM.DELETE", stream), js_api("STREAM.PURGE", stream), js_api("STREAM.MSG.DELETE", stream)]

@@ -151,7 +151,7 @@ class BatchCreate:
             now = time.time()
             claim = SandboxInfo(id=sid, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                                 created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
-                                cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
+                                cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
             data = encoder.encode(claim)
             note = f"{self.notes}/{sid}"
             _note(note, data)  # before the claim exists: a kill at any point leaves the note

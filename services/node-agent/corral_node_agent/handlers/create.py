@@ -76,7 +76,7 @@ class Create:
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
-                           cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
+                           cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
         t0 = time.perf_counter()
         # a warm sandbox's image was in the catalog when it was built (the pool re-checks)
         sb = await self.warm.claim(info, spec)

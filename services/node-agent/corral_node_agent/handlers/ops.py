@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from nats.aio.msg import Msg
 
-from corral_common import bus
+from corral_common import bus, tenancy
 from corral_common.contract import subjects
+from corral_common.contract.audit import AuditEvent
 from corral_common.contract.envelope import Reply
-from corral_common.contract.errors import Capacity, InvalidRequest
+from corral_common.contract.errors import Capacity, Forbidden, InvalidRequest
 from corral_common.contract.messages import (
     AuditState,
     ChangesReply,
@@ -90,6 +91,14 @@ class SandboxOps:
             fn = self.ops.get(op)
             if fn is None:
                 raise InvalidRequest(f"unknown sandbox operation {op!r}; known: {', '.join(subjects.SANDBOX_OPS)}")
+            who = tenancy.caller(msg)
+            if who is not None and who != sb.info.tenant:
+                self.audit.emit(AuditEvent(**self.audit.base(sid), kind="access", op=op, denied=True,
+                                           detail={"tenant": who, "owner": sb.info.tenant or "(operator)"}))
+                raise Forbidden(f"sandbox {sid} belongs to another tenant")
+            if who is not None and op == "port.open":
+                raise InvalidRequest("port forwards are for the operator's connections for now: their frames travel "
+                                     "outside request/reply, which does not cross from a tenant's account")
             return await fn(msg, sb, sub)
 
         return handle

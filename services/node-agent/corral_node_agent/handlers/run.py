@@ -54,7 +54,7 @@ class Run:
         now = time.time()
         info = SandboxInfo(id=new_id(), node=self.node, state="running", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
-                           cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id)
+                           cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
         t0 = time.perf_counter()
         try:
             result, finish = await sub.run(info, spec, ereq, None)

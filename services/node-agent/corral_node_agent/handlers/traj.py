@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from corral_common import bus, logs, metrics
+from corral_common import bus, logs, metrics, tenancy
 from corral_common.contract import subjects
 from corral_common.contract.envelope import decode_reply
-from corral_common.contract.errors import Conflict, InvalidRequest, NotFound
+from corral_common.contract.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from corral_common.contract.images import ImageDeleteReply, NameRequest
 from corral_common.contract.messages import (
     ExecChunk,
@@ -81,14 +82,18 @@ class Trajectories:
 
     async def on_open(self, msg: Msg) -> TrajReply:
         r = bus.decode(msg.data, TrajOpenRequest)
+        who = tenancy.caller(msg)
+        spec = r.spec if who is None else msgspec.structs.replace(r.spec, tenant=who)
         now = time.time()
-        meta = await self.traj.create(TrajMeta(id=r.id, sandbox_id=r.sandbox_id, spec=r.spec, created_at=now, updated_at=now,
+        meta = await self.traj.create(TrajMeta(id=r.id, sandbox_id=r.sandbox_id, spec=spec, created_at=now, updated_at=now,
                                                snapshot_every=r.snapshot_every))
+        tenancy.check_owner(who, meta.spec.tenant, f"trajectory {r.id!r}")  # an existing one (create is idempotent)
         return TrajReply(trajectory=meta)
 
     async def on_get(self, msg: Msg) -> TrajGetReply:
         r = bus.decode(msg.data, TrajGetRequest)
         meta = await self.traj.get(r.id)
+        tenancy.check_owner(tenancy.caller(msg), meta.spec.tenant, f"trajectory {r.id!r}")
         first = max(0, meta.last_step - 19) if r.from_step is None else r.from_step
         last = min(meta.last_step, first + r.limit - 1)
         entries, size = [], 0
@@ -101,17 +106,19 @@ class Trajectories:
 
     async def on_list(self, msg: Msg) -> TrajListReply:
         r = bus.decode(msg.data, TrajListRequest)
+        who = tenancy.caller(msg)
         out = []
         for tid in await self.traj.ids():
             if tid.startswith(r.prefix):
                 m = await self.traj.maybe(tid)
-                if m is not None:
+                if m is not None and (who is None or m.spec.tenant == who):
                     out.append(m)
         return TrajListReply(trajectories=out)
 
     async def on_delete(self, msg: Msg) -> TrajDeleteReply:
         r = bus.decode(msg.data, TrajRef)
         meta = await self.traj.get(r.id)
+        tenancy.check_owner(tenancy.caller(msg), meta.spec.tenant, f"trajectory {r.id!r}")
         await self.traj.delete(r.id)
         for sn in meta.snapshots:
             await self._delete_image(sn.image)
@@ -132,6 +139,8 @@ class Trajectories:
         image), re-running for real the logged steps the snapshot does not contain."""
         r = bus.decode(msg.data, RestoreRequest)
         meta = await self.traj.get(r.trajectory)
+        if meta.spec.tenant != sb.info.tenant:
+            raise Forbidden(f"trajectory {r.trajectory!r} belongs to another tenant")
         base_step, base_image = (meta.snapshots[-1].step, meta.snapshots[-1].image) if meta.snapshots else (-1, meta.spec.image)
         if sb.info.image != base_image:
             raise Conflict(f"trajectory {meta.id!r} must be restored on a sandbox of image {base_image!r} "

@@ -1,0 +1,59 @@
+"""Who a connection to the bus is: the credentials every service, the SDK and the CLI present.
+
+NATS authenticates each connection (the embedded stack of `corral up` requires it); the identity
+and what it may publish and subscribe come from the server's configuration, never from a message.
+Credentials are found, in this order: a user and password in the NATS URL
+(`nats://user:pw@host:4222`), the file named by `$CORRAL_NATS_CREDS` (or passed explicitly), then
+the local stack's own operator credentials (`<state dir>/auth/admin.creds`, written by
+`corral up`), so a local user needs no extra step.
+
+A credentials file is one of the three forms NATS clients know: a decentralised-auth `.creds` file
+(a user JWT and its nkey seed: production), an nkey seed (`SU...`), or `user:password` on one line
+(what `corral up` generates)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+from . import config
+
+CREDS_ENV = "CORRAL_NATS_CREDS"
+AUTH_DIR = "auth"  # under a stack's data dir: its nats config, and one credentials file per identity
+
+
+def creds_path(identity: str, data_dir: str) -> str:
+    return os.path.join(data_dir, AUTH_DIR, f"{identity}.creds")
+
+
+def _has_userinfo(url: str) -> bool:
+    return any(urlsplit(u.strip()).username for u in url.split(","))
+
+
+def _local_default() -> str | None:
+    """The operator credentials of a stack `corral up` runs here with its default data dir."""
+    path = creds_path("admin", config.state_dir())
+    return path if os.access(path, os.R_OK) else None
+
+
+def connect_options(url: str, creds: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for `nats.connect(url, ...)` that authenticate as the caller's identity
+    ({} when the URL carries its own user and password, or no credentials are found: an open
+    server still accepts the connection, and a closed one answers why)."""
+    if _has_userinfo(url):
+        return {}
+    path = creds or os.environ.get(CREDS_ENV) or _local_default()
+    if not path:
+        return {}
+    with open(path) as f:
+        text = f.read().strip()
+    if "BEGIN NATS USER JWT" in text:
+        return {"user_credentials": path}
+    if text.startswith("SU"):
+        return {"nkeys_seed": path}
+    user, sep, password = text.partition(":")
+    if not sep or not user:
+        raise ValueError(f"{path}: not a NATS credentials file (expected a .creds file, an nkey seed, or user:password)")
+    # replies to a tenant may only arrive under its own inbox prefix (tenancy.inbox_prefix); for
+    # corral's own identities the prefix is merely a label
+    return {"user": user, "password": password, "inbox_prefix": f"_INBOX.{user}"}

@@ -1,0 +1,224 @@
+"""Authentication and authorization of the embedded stack's NATS server (`corral up`).
+
+Every connection authenticates; each service has its own identity (user) in the CORRAL account,
+and the server, not the services, enforces what each may do. Identities and their passwords are
+generated once per data dir (`<data>/auth/<identity>.creds`, mode 0600, reused on restart so
+clients that hold them keep working); `admin` is the local operator's, which the SDK and CLI find
+by themselves (corral_common.auth).
+
+What the permissions take away, from the contract (contract/operations.py names each channel's
+publisher and each bucket's writer):
+  - the environment catalog (hidden tests and solutions) is readable and writable only by the
+    env-builder (and the operator);
+  - heartbeats (which decide where creates go) are published only by node-agents, audit only by
+    node-agents and image loaders, alerts only by the monitor, and no service may delete or purge
+    a stored message of the audit, alert or event streams;
+  - the SandboxFusion gateway, the one service facing HTTP clients, is not a service of the CORRAL
+    account at all but a user of the TENANTS account (below) that may only send sandbox requests:
+    it reaches the sandboxes it made and nothing else.
+
+Tenants (`corral tenant add|list|revoke`) are users of the TENANTS account, which imports the
+public request subjects (`corral.v1.>`) from CORRAL and nothing else; each may publish requests
+and subscribe to its own inboxes only: tenants cannot see each other's traffic, corral's internal
+subjects, streams or buckets, and every request they make reaches the services with the
+server-set `Nats-Request-Info` header that names them (corral_common.tenancy).
+Adding or revoking one rewrites the server's configuration and reloads it (SIGHUP): a revoked
+tenant's connections are closed at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+from typing import Any
+
+from corral_common import auth, tenancy
+from corral_common.contract import subjects
+from corral_common.contract.errors import Conflict, InvalidRequest, NotFound
+from corral_common.contract.operations import BUCKETS, CHANNELS
+
+ACCOUNT = "CORRAL"
+SERVICES = ("scheduler", "node-agent", "image-cache", "image-loader", "monitor", "env-builder")
+EDGE = "gateway"  # a user of the TENANTS account, with tenant rights on its own sandboxes only
+OPERATOR = "admin"
+# the services that also publish a channel the contract gives to another (image loaders audit
+# their own fetches under the node's audit subjects)
+ALSO_PUBLISH = {"audit": ("image-loader",)}
+PROTECTED_STREAMS = ("CORRAL_AUDIT", "CORRAL_ALERTS", "CORRAL_EVENTS")
+SECRET_BUCKETS = (subjects.KV_ENVS,)
+
+
+def _wild(subject: str) -> str:
+    """A contract subject template ("corral.audit.{node}.{sandbox_id}") as a NATS wildcard."""
+    return ".".join("*" if t.startswith("{") else t for t in subject.split("."))
+
+
+def permissions(identity: str) -> dict[str, Any] | None:
+    """The NATS permissions of a service identity (None: the operator, unrestricted)."""
+    if identity == OPERATOR:
+        return None
+    pub_deny: list[str] = []
+    sub_deny: list[str] = []
+    for c in CHANNELS:
+        if c.publisher != identity and identity not in ALSO_PUBLISH.get(c.name, ()):
+            if c.name in ("nodeHeartbeat", "audit", "alerts"):
+                pub_deny.append(_wild(c.subject))
+    for b in BUCKETS:
+        if b.name in SECRET_BUCKETS and b.writer != identity:
+            pub_deny += subjects.kv_stream_access(b.name)
+            sub_deny.append(subjects.kv_key(b.name, ">"))
+    for stream in PROTECTED_STREAMS:
+        pub_deny += subjects.stream_erasure(stream)
+    return {"publish": {"deny": pub_deny}, "subscribe": {"deny": sub_deny}}
+
+
+def ensure_credentials(data_dir: str) -> dict[str, str]:
+    """identity -> password, generated on first use and kept in the data dir."""
+    d = os.path.join(data_dir, auth.AUTH_DIR)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)
+    out: dict[str, str] = {}
+    for identity in (OPERATOR, *SERVICES, EDGE):
+        path = auth.creds_path(identity, data_dir)
+        try:
+            with open(path) as f:
+                user, _, password = f.read().strip().partition(":")
+            if user == identity and password:
+                out[identity] = password
+                continue
+        except FileNotFoundError:
+            pass
+        password = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{identity}:{password}\n")
+        out[identity] = password
+    return out
+
+
+def _auth_dir(data_dir: str) -> str:
+    return os.path.join(data_dir, auth.AUTH_DIR)
+
+
+def _write_private(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def tenant_creds_path(data_dir: str, name: str) -> str:
+    return os.path.join(_auth_dir(data_dir), "tenants", f"{name}.creds")
+
+
+def tenants(data_dir: str) -> dict[str, str]:
+    """tenant -> password."""
+    try:
+        with open(os.path.join(_auth_dir(data_dir), "tenants.json")) as f:
+            return dict(json.load(f))
+    except FileNotFoundError:
+        return {}
+
+
+def _save_tenants(data_dir: str, table: dict[str, str]) -> None:
+    _write_private(os.path.join(_auth_dir(data_dir), "tenants.json"), json.dumps(table, indent=1, sort_keys=True))
+
+
+def server_config(listen: str, store_dir: str, passwords: dict[str, str], tenant_passwords: dict[str, str],
+                  pid_file: str) -> str:
+    """nats-server configuration: the listener, 8 MB payloads (files.write and exec output travel
+    base64/JSON-encoded in one message), JetStream, the CORRAL account with its users and its
+    export of the public subjects, and one account per tenant importing them."""
+    users = []
+    for identity, password in passwords.items():
+        if identity == EDGE:
+            continue
+        user: dict[str, Any] = {"user": identity, "password": password}
+        perms = permissions(identity)
+        if perms is not None:
+            user["permissions"] = perms
+        users.append(user)
+    # stream responses: exec with `stream` answers several messages to one request; the threshold
+    # bounds how long a reply route stays open (the longest exec allowed, 24 h)
+    public = f"{subjects.PREFIX}.>"
+    def tenant(name: str, password: str, may_publish: str) -> dict[str, Any]:
+        return {"user": name, "password": password, "permissions": {
+            "publish": {"allow": [may_publish]}, "subscribe": {"allow": [f"{tenancy.inbox_prefix(name)}.>"]}}}
+
+    tenant_users = [tenant(name, password, public) for name, password in sorted(tenant_passwords.items())]
+    if EDGE in passwords:
+        tenant_users.append(tenant(EDGE, passwords[EDGE], f"{subjects.PREFIX}.sandbox.>"))
+    accounts: dict[str, Any] = {
+        ACCOUNT: {"jetstream": "enabled", "users": users,
+                  "exports": [{"service": public, "response_type": "stream", "response_threshold": "24h"}]},
+        # present from the start, even with no tenant: users added to it later by a reload work
+        tenancy.ACCOUNT: {"users": tenant_users, "imports": [{"service": {"account": ACCOUNT, "subject": public}, "share": True}]},
+    }
+    return (f"listen: {json.dumps(listen)}\nmax_payload: 8MB\npid_file: {json.dumps(pid_file)}\n"
+            f"jetstream {{ store_dir: {json.dumps(store_dir)} }}\naccounts: {json.dumps(accounts, indent=1)}\n")
+
+
+def write_server_config(data_dir: str, listen: str | None = None, store_dir: str | None = None) -> str:
+    """(Re)write `<data>/auth/nats.conf` from the identities and tenants on record; the listener
+    and store are remembered from the first write. Returns its path."""
+    d = _auth_dir(data_dir)
+    where = os.path.join(d, "server.json")
+    if listen is None or store_dir is None:
+        try:
+            with open(where) as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            raise NotFound(f"no corral stack has run with data dir {data_dir} (its {where} is missing)") from None
+        listen, store_dir = saved["listen"], saved["store"]
+    else:
+        _write_private(where, json.dumps({"listen": listen, "store": store_dir}))
+    conf = os.path.join(d, "nats.conf")
+    _write_private(conf, server_config(listen, store_dir, ensure_credentials(data_dir), tenants(data_dir),
+                                       os.path.join(d, "nats.pid")))
+    return conf
+
+
+def reload(data_dir: str) -> bool:
+    """Have the running server take the configuration again (SIGHUP); False if none runs."""
+    try:
+        with open(os.path.join(_auth_dir(data_dir), "nats.pid")) as f:
+            os.kill(int(f.read().strip()), signal.SIGHUP)
+        return True
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return False
+
+
+def add_tenant(data_dir: str, name: str) -> str:
+    """A new tenant with generated credentials; returns its credentials file."""
+    if name == EDGE:
+        raise Conflict(f"{name!r} is the SandboxFusion gateway's own identity; choose another name")
+    if not tenancy.NAME.match(name):
+        raise InvalidRequest(f"invalid tenant name {name!r}: lowercase letters, digits and '-', starting with a letter, "
+                             "at most 32")
+    table = tenants(data_dir)
+    if name in table:
+        raise Conflict(f"tenant {name!r} exists (revoke it first to issue new credentials)")
+    table[name] = secrets.token_urlsafe(24)
+    os.makedirs(os.path.dirname(tenant_creds_path(data_dir, name)), mode=0o700, exist_ok=True)
+    _write_private(tenant_creds_path(data_dir, name), f"{name}:{table[name]}\n")
+    _save_tenants(data_dir, table)
+    write_server_config(data_dir)
+    reload(data_dir)
+    return tenant_creds_path(data_dir, name)
+
+
+def revoke_tenant(data_dir: str, name: str) -> None:
+    """Remove a tenant: its credentials stop working and its connections are closed. Its
+    sandboxes stay until their TTL (the operator can still list and destroy them)."""
+    table = tenants(data_dir)
+    if table.pop(name, None) is None:
+        raise NotFound(f"no tenant {name!r}")
+    _save_tenants(data_dir, table)
+    try:
+        os.unlink(tenant_creds_path(data_dir, name))
+    except FileNotFoundError:
+        pass
+    write_server_config(data_dir)
+    reload(data_dir)
