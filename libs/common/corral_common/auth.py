@@ -5,7 +5,7 @@ and what it may publish and subscribe come from the server's configuration, neve
 Credentials are found, in this order: a user and password in the NATS URL
 (`nats://user:pw@host:4222`), the file named by `$CORRAL_NATS_CREDS` (or passed explicitly), then
 the local stack's own operator credentials (`<state dir>/auth/admin.creds`, written by
-`corral up`), so a local user needs no extra step.
+`corral up`) when the server is on this machine, so a local user needs no extra step.
 
 A credentials file is one of the three forms NATS clients know: a decentralised-auth `.creds` file
 (a user JWT and its nkey seed: production), an nkey seed (`SU...`), or `user:password` on one line
@@ -30,8 +30,12 @@ def _has_userinfo(url: str) -> bool:
     return any(urlsplit(u.strip()).username for u in url.split(","))
 
 
-def _local_default() -> str | None:
-    """The operator credentials of a stack `corral up` runs here with its default data dir."""
+def _local_default(url: str) -> str | None:
+    """The operator credentials of a stack `corral up` runs here with its default data dir, for a
+    server on this machine only (they are never sent elsewhere)."""
+    hosts = {urlsplit(u.strip() if "://" in u else f"nats://{u.strip()}").hostname for u in url.split(",")}
+    if not hosts <= {"127.0.0.1", "localhost", "::1"}:
+        return None
     path = creds_path("admin", config.state_dir())
     return path if os.access(path, os.R_OK) else None
 
@@ -42,7 +46,7 @@ def connect_options(url: str, creds: str | None = None) -> dict[str, Any]:
     server still accepts the connection, and a closed one answers why)."""
     if _has_userinfo(url):
         return {}
-    path = creds or os.environ.get(CREDS_ENV) or _local_default()
+    path = creds or os.environ.get(CREDS_ENV) or _local_default(url)
     if not path:
         return {}
     with open(path) as f:

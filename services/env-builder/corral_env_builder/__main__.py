@@ -14,7 +14,7 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
-    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="CORRAL_METRICS_HOST", help="address the metrics listen on (0.0.0.0 in a pod)"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     parallel_builds: int = typer.Option(2, help="builds running at once; more wait in the backlog"),
     files_root: list[str] = typer.Option([], help="directories an EnvSpec's files_dir may be under (default: none)"),

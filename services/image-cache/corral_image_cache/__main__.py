@@ -20,7 +20,7 @@ def main(
     chunk_backend: str = typer.Option("nats", help="'nats' (JetStream object store) or dir:///path"),
     builtin: list[str] = typer.Option(["busybox", "debian"], help="built-in images to import at start (debian only if already built)"),
     work_dir: str = typer.Option(None, help="scratch space for unpacking and mkfs.erofs"),
-    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="CORRAL_METRICS_HOST", help="address the metrics listen on (0.0.0.0 in a pod)"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     snapshot_grace_s: float = typer.Option(120.0, help="unused snapshot layers younger than this survive a delete's collection"),
     gc_every_s: float = typer.Option(60.0, help="period of the background garbage collection"),

@@ -25,7 +25,7 @@ def main(
                                               "or http://user:pass@host:8123 (default $CORRAL_CLICKHOUSE)"),
     state_dir: str = typer.Option(None, help="state directory (default $CORRAL_STATE_DIR or /var/lib/corral)"),
     database: str = typer.Option(config.env_str("CORRAL_CLICKHOUSE_DATABASE", "default")),
-    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="CORRAL_METRICS_HOST", help="address the metrics listen on (0.0.0.0 in a pod)"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     workers: int = typer.Option(1, min=1, max=64, help="concurrent fetch/insert loops on the audit stream"),
     batch: int = typer.Option(256, min=1, max=10_000, help="messages per fetch"),

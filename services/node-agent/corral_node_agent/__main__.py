@@ -28,7 +28,7 @@ def main(
     memory_mb: int = typer.Option(0, help="schedulable memory in MiB (0: 90% of RAM)"),
     max_sandboxes: int = typer.Option(4096),
     heartbeat_s: float = typer.Option(1.0),
-    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="CORRAL_METRICS_HOST", help="address the metrics listen on (0.0.0.0 in a pod)"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
     loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),

@@ -14,7 +14,7 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
-    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="CORRAL_METRICS_HOST", help="address the metrics listen on (0.0.0.0 in a pod)"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     node_timeout_s: float = typer.Option(30.0),
     stale_after_s: float = typer.Option(5.0, help="a node not heard from for this long is declared lost"),

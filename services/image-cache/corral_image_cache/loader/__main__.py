@@ -24,7 +24,7 @@ def main(
     cache_max_mb: int = typer.Option(0, help="cache size cap; unused layers are evicted LRU (0: no cap)"),
     fetch_parallel: int = typer.Option(8, help="concurrent chunk fetches"),
     chunk_backend: str = typer.Option("nats", help="'nats' (JetStream object store) or dir:///path"),
-    metrics_host: str = typer.Option("127.0.0.1"),
+    metrics_host: str = typer.Option("127.0.0.1", envvar="CORRAL_METRICS_HOST", help="address the metrics listen on (0.0.0.0 in a pod)"),
     metrics_port: int = typer.Option(config.env_int("CORRAL_METRICS_PORT", 0)),
     trace_window_s: float = typer.Option(10.0, help="how long a first start's reads are recorded as its prefetch trace"),
     fetch_timeout_s: float = typer.Option(10.0, help="timeout of one fetch attempt"),

@@ -1,0 +1,40 @@
+"""Which credentials a connection presents (corral_common.auth): explicit file, environment, the
+local stack's operator credentials only for a server on this machine, and the three file forms."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from corral_common import auth
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def test_credentials_forms_and_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv(auth.CREDS_ENV, raising=False)
+    assert auth.connect_options("nats://127.0.0.1:4222") == {}  # nothing to present
+    pw = _write(str(tmp_path / "pw.creds"), "alice:s3cret\n")
+    assert auth.connect_options("nats://h:4222", pw) == {"user": "alice", "password": "s3cret", "inbox_prefix": "_INBOX.alice"}
+    jwt = _write(str(tmp_path / "u.creds"), "-----BEGIN NATS USER JWT-----\neyJ...\n------END NATS USER JWT------\n")
+    assert auth.connect_options("nats://h:4222", jwt) == {"user_credentials": jwt}
+    seed = _write(str(tmp_path / "u.nk"), "SUAxxxx\n")
+    assert auth.connect_options("nats://h:4222", seed) == {"nkeys_seed": seed}
+    with pytest.raises(ValueError):
+        auth.connect_options("nats://h:4222", _write(str(tmp_path / "bad"), "no colon here"))
+    # a URL with its own user and password wins over everything
+    assert auth.connect_options("nats://u:p@h:4222", pw) == {}
+    # the environment, then the local stack's operator credentials, for loopback servers only
+    monkeypatch.setenv(auth.CREDS_ENV, pw)
+    assert auth.connect_options("nats://h:4222")["user"] == "alice"
+    monkeypatch.delenv(auth.CREDS_ENV)
+    os.makedirs(tmp_path / "state" / auth.AUTH_DIR)
+    _write(auth.creds_path("admin", str(tmp_path / "state")), "admin:op\n")
+    assert auth.connect_options("nats://127.0.0.1:4222")["user"] == "admin"
+    assert auth.connect_options("nats://localhost:4222,nats://127.0.0.1:4223")["user"] == "admin"
+    assert auth.connect_options("nats://10.1.2.3:4222") == {}  # never sent to another machine

@@ -1,0 +1,21 @@
+"""Every service's metrics address comes from CORRAL_METRICS_HOST when no flag says otherwise, so
+deploy files can make them reachable (0.0.0.0) without repeating flags."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SERVICES = ["corral_scheduler", "corral_node_agent", "corral_image_cache", "corral_image_cache.loader", "corral_monitor",
+            "corral_env_builder"]
+
+
+@pytest.mark.parametrize("module", SERVICES)
+def test_metrics_host_reads_the_environment(module):
+    p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "300", "CORRAL_METRICS_HOST": "0.0.0.0"})
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if "--metrics-host" in ln)
+    assert "CORRAL_METRICS_HOST" in line and "0.0.0.0" in line, line
