@@ -154,7 +154,8 @@ async def test_nothing_listening_is_a_clear_error(served):
 
 async def test_raw_contract_refuses_bad_requests(stack, served):
     """A client that speaks only the JSON contract: bad ports and reply subjects that are not an
-    inbox (the node would publish the sandbox's bytes there) get invalid_request."""
+    inbox (the node would publish the sandbox's bytes there) get invalid_request; without
+    `reply_to`, the frames follow the reply on the request's own reply subject."""
     c, sb = served
     nc = await nats.connect(stack.url)
     try:
@@ -162,7 +163,7 @@ async def test_raw_contract_refuses_bad_requests(stack, served):
         for body in ({"port": 0, "reply_to": "_INBOX.abc"}, {"port": 70000, "reply_to": "_INBOX.abc"},
                      {"port": 7000, "reply_to": subjects.audit("node-1", sb.id)},
                      {"port": 7000, "reply_to": "_INBOX.>"}, {"port": 7000, "reply_to": "_INBOX.a b"},
-                     {"port": 7000}, {"port": "7000", "reply_to": "_INBOX.abc"}):
+                     {"port": "7000", "reply_to": "_INBOX.abc"}):
             msg = await nc.request(subject, msgspec.json.encode(body), timeout=10)
             reply = msgspec.json.decode(msg.data)
             assert reply["ok"] is False and reply["error"]["code"] == "invalid_request", (body, reply)
@@ -183,6 +184,19 @@ async def test_raw_contract_refuses_bad_requests(stack, served):
             else:
                 assert kind in ("ping", "ack"), kind
         assert got == b"raw" + b"SHA " + hashlib.sha256(b"raw").hexdigest().encode()
+        await sub.unsubscribe()
+        # no reply_to: the reply, then the frames, on the request's reply subject
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(subject, msgspec.json.encode({"port": 7000}), reply=inbox)
+        first = await sub.next_msg(timeout=10)
+        assert not (first.headers or {}).get("Corral-Tunnel"), first.headers
+        opened = msgspec.json.decode(first.data, type=PortOpenReply)
+        await nc.publish(opened.tunnel, b"", headers={"Corral-Tunnel": "eof", "Corral-Seq": "0"})
+        f = await sub.next_msg(timeout=30)
+        while f.headers["Corral-Tunnel"] != "data":
+            f = await sub.next_msg(timeout=30)
+        assert f.data.startswith(b"SHA "), f.data
         await sub.unsubscribe()
     finally:
         await nc.close()

@@ -131,6 +131,27 @@ async def test_trajectories_and_grades_are_the_owners(stack, client, two_tenants
         await client.nc.request(subjects.TRAJ_DELETE, json.dumps({"id": tid}).encode(), timeout=30)
 
 
+async def test_a_tenant_forwards_ports_of_its_own_sandboxes_only(stack, two_tenants):
+    """Port forwards cross into the tenant's account: the frames follow the reply on its route."""
+    a, b, clients, _ = two_tenants
+    sb = await clients[a].create(image="busybox", cpu=0.2, memory_mb=64)
+    try:
+        r = await sb.exec("(while true; do nc -l -p 7000 -e /bin/cat; done) >/dev/null 2>&1 & "
+                          "for i in $(seq 50); do netstat -ltn | grep -q :7000 && exit 0; sleep 0.1; done; exit 1",
+                          session="srv")
+        assert r.exit_code == 0, r
+        reader, writer = await sb.connect_port(7000)
+        writer.write(b"through the tenant's own route")
+        await writer.drain()
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(-1), 30) == b"through the tenant's own route"
+        writer.close()
+        with pytest.raises(Forbidden):
+            await clients[b].sandbox(sb.id).connect_port(7000)
+    finally:
+        await sb.destroy()
+
+
 async def test_what_only_the_operator_may_do(stack, two_tenants):
     a, _, clients, _ = two_tenants
     na = clients[a].nc

@@ -137,11 +137,12 @@ class TunnelEnd:
         assert self.sub is not None
         async for msg in self.sub.messages:
             self.last_heard = time.monotonic()
-            self._on_frame(msg)
+            self.on_frame(msg)
             if self.done.is_set():
                 return
 
-    def _on_frame(self, msg: Msg) -> None:
+    def on_frame(self, msg: Msg) -> None:
+        """Take one frame from the peer (also those that arrived before the relay started)."""
         headers = msg.headers or {}
         kind = headers.get(KIND, "")
         if kind in ("data", "eof"):

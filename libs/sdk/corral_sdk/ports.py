@@ -14,9 +14,14 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from corral_common.contract.errors import CorralError
-from corral_common.contract.messages import PortOpenRequest
+from nats.errors import TimeoutError as NatsTimeout
+
+from corral_common.contract import subjects
+from corral_common.contract.envelope import decode_reply
+from corral_common.contract.errors import CorralError, NotFound, Timeout
+from corral_common.contract.messages import PortOpenRequest, encoder
 from corral_common.contract.replies import PortOpenReply
+from corral_common.tunnel import KIND as FRAME_KIND
 from corral_common.tunnel import TunnelEnd, TunnelStats
 
 if TYPE_CHECKING:
@@ -35,13 +40,35 @@ async def open_tunnel(sb: AsyncSandbox, port: int, reader: asyncio.StreamReader,
     end = TunnelEnd(nc, inbox, reader, writer)
     await end.listen()
     try:
-        r = await sb._call("port.open", PortOpenRequest(port=port, reply_to=inbox), PortOpenReply, timeout=timeout)
+        # one inbox for the reply and the frames after it: the request's own reply route is the
+        # one that also reaches a tenant (frames the node sent before its reply wait here)
+        await nc.publish(subjects.sandbox_op(sb.id, "port.open"), encoder.encode(PortOpenRequest(port=port)), reply=inbox)
+        early = []
+        assert end.sub is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise Timeout(f"port.open on {sb.id} got no reply within {timeout:g}s")
+            try:
+                msg = await end.sub.next_msg(timeout=left)
+            except NatsTimeout:
+                continue
+            headers = msg.headers or {}
+            if headers.get("Status") == "503":
+                raise NotFound(f"no node owns sandbox {sb.id!r}: it was destroyed, expired, or never existed")
+            if FRAME_KIND not in headers:
+                r = decode_reply(msg.data, PortOpenReply)
+                break
+            early.append(msg)
     except BaseException:
         if end.sub is not None:
             with contextlib.suppress(Exception):
                 await end.sub.unsubscribe()
         writer.close()
         raise
+    for msg in early:
+        end.on_frame(msg)
     end.window, end.chunk = r.window, r.chunk
     task = asyncio.create_task(end.run(r.tunnel))
     _relays.add(task)  # referenced until it ends, whoever holds it

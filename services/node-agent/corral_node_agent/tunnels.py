@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from corral_common import bus, logs, metrics
 from corral_common.contract import subjects
 from corral_common.contract.audit import AuditEvent
-from corral_common.contract.errors import Capacity
+from corral_common.contract.errors import Capacity, InvalidRequest
 from corral_common.contract.messages import PortOpenRequest
 from corral_common.contract.replies import PortOpenReply
 from corral_common.tunnel import TunnelEnd
@@ -45,11 +45,18 @@ class Tunnels:
 
     async def on_open(self, msg: Msg, sb: Sandbox, sub: Substrate) -> PortOpenReply:
         req = bus.decode(msg.data, PortOpenRequest)
+        send_to = req.reply_to or msg.reply
+        if not send_to:
+            raise InvalidRequest("port.open needs a reply subject (or reply_to) to send the stream to")
         mine = self.open.setdefault(sb.id, {})
         if len(mine) >= MAX_PER_SANDBOX:
             raise Capacity(f"sandbox {sb.id} has {len(mine)} port forwards open, the most allowed; close one first")
         sock = await sub.connect_port(sb, req.port)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         token = secrets.token_hex(16)  # unguessable: nobody else can write into the stream
         end = TunnelEnd(self.nc, subjects.tunnel(token), reader, writer)
         try:
@@ -60,7 +67,7 @@ class Tunnels:
         target = f"127.0.0.1:{req.port}"
         self.audit.emit(AuditEvent(**self.audit.base(sb.id), kind="net", op="port_open", target=target,
                                    detail={"tunnel": token}))
-        mine[end] = asyncio.create_task(self._relay(sb.id, end, req.reply_to, target, token))
+        mine[end] = asyncio.create_task(self._relay(sb.id, end, send_to, target, token))
         OPENED.labels(self.node).inc()
         OPEN.labels(self.node).inc()
         return PortOpenReply(tunnel=subjects.tunnel(token), window=end.window, chunk=end.chunk)

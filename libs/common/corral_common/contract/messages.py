@@ -201,7 +201,10 @@ InboxSubject = Annotated[str, Meta(max_length=256, pattern=r"^_INBOX(\.[A-Za-z0-
 
 class PortOpenRequest(Request, kw_only=True):
     port: Annotated[int, Meta(ge=1, le=65535)]  # on 127.0.0.1 inside the sandbox
-    reply_to: InboxSubject  # subscribe it first: frames may arrive before the reply
+    # where the node sends its frames: subscribe it first (frames may arrive before the reply). Empty:
+    # the request's own reply subject, then frames on it after the reply (what tenants must use:
+    # only the reply route crosses from corral's account into theirs)
+    reply_to: InboxSubject | Literal[""] = ""
 
 
 # ----- trajectories (resume after preemption) -----
