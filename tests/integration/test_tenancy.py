@@ -16,7 +16,7 @@ import pytest
 
 from corral_common.contract import subjects
 from corral_common.contract.audit import AuditBatch
-from corral_sdk import AsyncClient, Forbidden
+from corral_sdk import AsyncClient, Capacity, Forbidden
 from corral_sdk.stackauth import add_tenant, revoke_tenant
 
 
@@ -103,6 +103,24 @@ async def test_identity_comes_from_authentication_not_from_fields(stack, client,
     finally:
         await sa.destroy()
         await sb.destroy()
+
+
+async def test_a_tenants_jobs_are_its_own(stack, client, two_tenants):
+    """Job names live under the tenant's name: the operator's quota on one tenant's job does not
+    touch another's job of the same name, and listing by job sees one's own."""
+    a, b, clients, _ = two_tenants
+    await client.nc.request(subjects.QUOTA_SET, json.dumps({"job": f"{b}/shared", "sandboxes": 0}).encode(), timeout=10)
+    sa = await clients[a].create(image="busybox", cpu=0.2, memory_mb=64, job="shared")
+    try:
+        assert sa.info.job == f"{a}/shared"
+        with pytest.raises(Capacity):
+            await clients[b].create(image="busybox", cpu=0.2, memory_mb=64, job="shared")
+        assert [s.id for s in await clients[a].list(job="shared")] == [sa.id]
+        assert await clients[b].list(job="shared") == []
+        used = json.loads((await clients[a].nc.request(subjects.QUOTA_GET, b'{"job": "shared"}', timeout=10)).data)
+        assert used["ok"] and used["job"] == f"{a}/shared" and used["used"]["sandboxes"] == 1, used
+    finally:
+        await sa.destroy()
 
 
 async def test_trajectories_and_grades_are_the_owners(stack, client, two_tenants):

@@ -47,6 +47,14 @@ def caller(msg: Msg) -> str | None:
     return name
 
 
+def qualify_job(who: str | None, job: str) -> str:
+    """A tenant's job names live under its own name ("alice/train"), so quotas, fair share and
+    listing by job never mix two tenants' jobs; the operator's are as given."""
+    if who is None:
+        return job
+    return f"{who}/{job}" if job else who
+
+
 def check_owner(who: str | None, owner: str, what: str) -> None:
     """Forbidden unless `who` (a tenant, or None for the operator) may act on `what` of `owner`."""
     if who is not None and who != owner:

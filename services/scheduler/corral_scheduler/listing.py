@@ -32,11 +32,12 @@ class Listing:
     async def on_list(self, msg: Msg) -> SandboxListReply:
         req = bus.decode(msg.data, ListRequest)
         who = tenancy.caller(msg)
+        job = None if req.job is None else tenancy.qualify_job(who, req.job)
         out = []
         for info in self.placements.placed.values():
             if who is not None and info.tenant != who:
                 continue
-            if req.job is not None and info.job != req.job:
+            if job is not None and info.job != job:
                 continue
             if req.node is not None and info.node != req.node:
                 continue

@@ -146,8 +146,9 @@ class Admission:
         tenancy.operator_only(tenancy.caller(msg), "setting quotas")
         r = bus.decode(msg.data, QuotaSetRequest)
         key = r.job or "_default"
-        if not key.replace("_", "").replace("-", "").replace(".", "").isalnum():
-            raise InvalidRequest(f"job {r.job!r} cannot hold a quota: use letters, digits, '-', '_' and '.'")
+        if not key.replace("_", "").replace("-", "").replace(".", "").replace("/", "").isalnum() or key.startswith("/"):
+            raise InvalidRequest(f"job {r.job!r} cannot hold a quota: use letters, digits, '-', '_', '.' "
+                                 "(and '/' after a tenant's name: alice/train)")
         for name, v in (("sandboxes", r.sandboxes), ("cpu", r.cpu), ("memory_mb", r.memory_mb)):
             if v is not None and v < 0:
                 raise InvalidRequest(f"quota {name} must not be negative")
@@ -159,6 +160,9 @@ class Admission:
     async def on_get(self, msg: Msg) -> QuotaGetReply:
         """`corral.v1.quota.get`: the job's quota and what it holds (placed and pending)."""
         r = bus.decode(msg.data, QuotaGetRequest)
+        who = tenancy.caller(msg)
+        if who is not None:  # a tenant asks about its own jobs (the default quota stays readable)
+            r = msgspec.structs.replace(r, job=r.job if r.job == "_default" else tenancy.qualify_job(who, r.job))
         q = self.quota(r.job)
         used = self.totals.of(r.job, self.pending)
         if r.job != "_default" and r.job not in self.quotas and used.sandboxes <= 0:
