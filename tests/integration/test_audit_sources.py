@@ -70,17 +70,22 @@ class Watch:
         return [e for e in self.events if e.kind == kind]
 
 
-@pytest.fixture(scope="module")
-def denied_calls_binary():
+def static_binary(source: str) -> bytes:
+    """tests/integration/data/<source>, compiled static (sandbox images may have no libc)."""
     if not shutil.which("gcc"):
-        pytest.fail("gcc is needed to build the test program (apt-get install gcc)")
-    d = tempfile.mkdtemp(prefix="crl-dc-")
-    out = f"{d}/denied_calls"
-    subprocess.run(["gcc", "-static", "-O1", "-o", out, f"{HERE}/data/denied_calls.c"], check=True, capture_output=True)
+        pytest.fail("gcc is needed to build the test programs (apt-get install gcc)")
+    d = tempfile.mkdtemp(prefix="crl-bin-")
+    out = f"{d}/prog"
+    subprocess.run(["gcc", "-static", "-O1", "-o", out, f"{HERE}/data/{source}"], check=True, capture_output=True)
     with open(out, "rb") as f:
         data = f.read()
     shutil.rmtree(d, ignore_errors=True)
     return data
+
+
+@pytest.fixture(scope="module")
+def denied_calls_binary():
+    return static_binary("denied_calls.c")
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -155,13 +160,7 @@ async def test_denied_syscalls_fail_with_eperm_and_are_audited(client, nc, denie
 
 @pytest.fixture(scope="module")
 def syscall_flood_binary():
-    d = tempfile.mkdtemp(prefix="crl-sf-")
-    out = f"{d}/flood"
-    subprocess.run(["gcc", "-static", "-O1", "-o", out, f"{HERE}/data/syscall_flood.c"], check=True, capture_output=True)
-    with open(out, "rb") as f:
-        data = f.read()
-    shutil.rmtree(d, ignore_errors=True)
-    return data
+    return static_binary("syscall_flood.c")
 
 
 async def test_a_denied_syscall_flood_is_throttled_reported_and_fully_audited(client, nc, syscall_flood_binary):
