@@ -525,3 +525,16 @@ def test_finding_alert_ids_depend_on_the_finding_only():
     e = ev("file", op="write", path="/repo/tests/t.py")
     from corral_common.contract.audit import Alert
     assert alert_paths(Alert(id="x", ts=1.0, rule="r", severity="high", sandbox="sb-1", message="m", evidence=[e, e])) == ["/repo/tests/t.py"]
+
+
+def test_network_egress_under_an_allowlist_flags_only_what_the_node_refused():
+    from corral_monitor.rules import build
+
+    (rule,) = build(only=["network_egress"])
+    tag = {labels.NETWORK: "allowlist"}
+    assert rule.match(ex("curl https://pypi.org/simple/", labels=tag)) is None  # the allowlist may allow it
+    assert rule.match(ev("net", op="connect", target="10.1.2.3:443", denied=False, detail={"allowed": "1"}, labels=tag)) is None
+    refused = rule.match(ev("net", op="connect", target="10.9.9.9:443", denied=True, labels=tag))
+    assert refused and "refused by the egress allowlist" in refused
+    # without the node's label, the same command is flagged as before
+    assert rule.match(ex("curl https://pypi.org/simple/"))

@@ -45,6 +45,7 @@ from .lifecycle import Lifecycle
 from .placements import Placements
 from .snapshot import Snapshots
 from .substrates import REGISTRY
+from .substrates.container import ContainerSubstrate
 from .table import SandboxTable, node_capacity
 from .trajectory import TrajectoryLog
 from .tunnels import Tunnels
@@ -108,6 +109,8 @@ class NodeAgent:
             sub = cls(self.node, self.state_dir, self.layers)  # type: ignore[call-arg]
             self.audit.configure(sub)
             sub.run_watcher = self.audit.watch_run
+            if isinstance(sub, ContainerSubstrate) and name == "container":
+                self.audit.egress_allows = sub.egress.allows  # allowlists are the container substrate's
             await sub.start()
             self.table.substrates[name] = sub
         self.responder = bus.Responder(nc, "node-agent", package="corral_node_agent", metadata={"node": self.node})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from corral_common import metrics
+from corral_common import egress, metrics
 from corral_common.contract.errors import Capacity, InvalidRequest, NotFound, Unavailable
 from corral_common.contract.messages import NodeCapacity, SandboxSpec
 
@@ -109,6 +109,9 @@ class SandboxTable:
                 raise InvalidRequest(f"{what} are not enforced on a one-shot run; create a sandbox for them")
             if not sub.protects_paths:
                 raise InvalidRequest(f"{what} are not enforced on the {sub.name!r} substrate; use 'container'")
+        egress.check(spec.network, spec.egress)
+        if spec.network != "none" and (one_shot or sub.name != "container"):
+            raise InvalidRequest('network="allowlist" is enforced for sandboxes of the container substrate only')
         return sub
 
     def admit_create(self, sid: str, spec: SandboxSpec) -> None:

@@ -66,7 +66,8 @@ class Warm:
     async def claim(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox | None:
         # protected paths are masked and canaries planted while a sandbox is built: a warm one
         # has neither, so such specs are always built cold
-        if self.pool is None or spec.substrate != "container" or spec.protected_paths or spec.canaries:
+        if (self.pool is None or spec.substrate != "container" or spec.protected_paths or spec.canaries
+                or spec.network != "none"):
             return None
         sb = await self.pool.claim(info, spec)
         if sb is not None:

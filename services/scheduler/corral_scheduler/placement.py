@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+from corral_common import egress
 from corral_common.contract import subjects
 from corral_common.contract.errors import Capacity, CorralError, InvalidRequest
 from corral_common.contract.messages import SandboxSpec
@@ -91,6 +92,10 @@ def check_substrate(registry: Registry, spec: SandboxSpec, one_shot: bool = Fals
     have = registry.substrates()
     if have and spec.substrate not in have:
         raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")
+    egress.check(spec.network, spec.egress)
+    if spec.network == "allowlist" and (one_shot or spec.substrate != "container"):
+        raise InvalidRequest('network="allowlist" is for sandboxes of the container substrate (create one); '
+                             f"{'one-shot runs' if one_shot else repr(spec.substrate)} keep network \"none\"")
 
 
 def attempts(alive: list[NodeState], spec: SandboxSpec, policy: Policy) -> Iterator[tuple[NodeState, Reservation]]:

@@ -26,5 +26,10 @@ DOCKER_SANDBOX = "corral.sandbox"
 DOCKER_JOB = "corral.job"
 DOCKER_USER_PREFIX = "corral.label."  # + a SandboxSpec label key: the user's own labels
 
+# set by the node on a sandbox with an egress allowlist ("allowlist"; a spec's own is dropped), so
+# its audit events carry it: there, only connects the node's policy refused are misbehaviour (the
+# monitor's network_egress rule)
+NETWORK = "corral.network"
+
 # the edge adapter a sandbox was made for (the SandboxFusion gateway: "sandbox-fusion")
 ADAPTER = "corral.adapter"

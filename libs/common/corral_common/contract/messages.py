@@ -32,7 +32,14 @@ class SandboxSpec(Request, kw_only=True):
     memory_mb: Annotated[int, Meta(ge=16, le=1_048_576)] = 512
     disk_mb: Annotated[int, Meta(ge=1, le=1_048_576)] = 1024
     ttl_s: Annotated[float, Meta(gt=0, le=7 * 86400)] = 3600.0
-    network: Literal["none"] = "none"
+    # "none": loopback only. "allowlist": a route out to exactly the `egress` entries (container
+    # substrate), enforced by the node outside the sandbox; everything else, the host and the bus
+    # included, stays unreachable, and refused attempts are audited
+    network: Literal["none", "allowlist"] = "none"
+    # with "allowlist": IPv4 addresses, CIDRs or hostnames (resolved by the node at create, written
+    # into the sandbox's /etc/hosts; no DNS server is reachable), each optionally with ":port" (TCP)
+    egress: Annotated[list[Annotated[str, Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:/_-]+$")]],
+                      Meta(max_length=64)] = []
     env: EnvMap = {}
     labels: LabelMap = {}
     job: Annotated[str, Meta(max_length=128)] = ""

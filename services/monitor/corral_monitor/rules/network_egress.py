@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from corral_common.contract import labels
 from corral_common.contract.audit import AuditEvent
 
 from . import register
@@ -112,6 +113,11 @@ class NetworkEgress(Rule):
                        "connection", "urlopen", "urllib", "requests", "spy", "ping6", "create"})
 
     def match(self, ev: AuditEvent) -> str | None:
+        if ev.labels.get(labels.NETWORK) == "allowlist":
+            # a route out to what its spec allows: the node's verdict on each connect is the evidence
+            if ev.kind == "net" and ev.denied:
+                return f"{ev.op or 'connect'} to {ev.target} by {ev.comm or 'pid'} {ev.pid} (refused by the egress allowlist)"
+            return None
         if ev.kind == "net":
             host = host_of(ev.target) if ev.target else ""
             if ev.op in ("", "connect", "sendto", "sendmsg", "dns") and host and not is_loopback(host):

@@ -63,6 +63,8 @@ class AuditWiring:
         self.activity: FileActivity | None = None
         self.tasks: set[asyncio.Task] = set()
         self.annotating: dict[str, set[asyncio.Task]] = {}  # sandbox -> git-ref events being annotated (audit waits)
+        # (sandbox, host, port) -> allowed by its egress allowlist, or None without one (egress.py)
+        self.egress_allows: Callable[[str, str, int], bool | None] | None = None
         self.inflight: dict[str, dict[object, str]] = {}  # sandbox -> commands being executed (file-event context)
         self.run_infos: dict[str, SandboxInfo] = {}  # one-shot runs whose command is running (job, labels of their events)
 
@@ -287,7 +289,18 @@ class AuditWiring:
     def _on_watched_syscall(self, sid: str, pid: int, comm: str, kind: str, op: str, target: str, denied: bool,
                             detail: dict[str, str]) -> None:
         """A connect/sendto to a non-loopback address (kind "net"), or a signal to a process
-        outside the caller's exec (kind "signal")."""
+        outside the caller's exec (kind "signal"). For a sandbox with an egress allowlist, a
+        destination it allows is marked `allowed` and one it does not `denied` (the packet
+        filter drops it)."""
+        if kind == "net" and self.egress_allows is not None:
+            try:
+                verdict = self.egress_allows(sid, detail.get("host", ""), int(detail.get("port", "0")))
+            except ValueError:
+                verdict = False
+            if verdict is not None:
+                denied = not verdict
+                if verdict:
+                    detail = {**detail, "allowed": "1"}
         self.emit(AuditEvent(**self.base(sid), kind=kind, op=op, target=target, pid=pid, comm=comm,  # type: ignore[arg-type]
                              syscall=op, denied=denied, detail=detail))
 

@@ -31,6 +31,7 @@ from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import NodeCreate, NodeCreateBatch, NodeItemResult, SandboxInfo, encoder
 from corral_common.contract.replies import NodeBatchReply
 
+from ..egress import sandbox_labels
 from ..events import Events
 from ..placements import Placements
 from ..table import SandboxTable
@@ -150,7 +151,7 @@ class BatchCreate:
         async with self.slots:
             now = time.time()
             claim = SandboxInfo(id=sid, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
-                                created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
+                                created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=sandbox_labels(spec),
                                 cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
             data = encoder.encode(claim)
             note = f"{self.notes}/{sid}"

@@ -17,6 +17,7 @@ from corral_common.contract.replies import NodeCreateReply, SandboxReply
 from corral_common.layers import Catalog
 
 from ..audit.wiring import AuditWiring
+from ..egress import sandbox_labels
 from ..events import Events
 from ..lifecycle import Lifecycle
 from ..placements import Placements
@@ -75,7 +76,7 @@ class Create:
     async def _create(self, req: NodeCreate, spec: SandboxSpec, sub: Substrate, claimed: bool, reply: str) -> NodeCreateReply:
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
-                           created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
+                           created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=sandbox_labels(spec),
                            cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
         t0 = time.perf_counter()
         # a warm sandbox's image was in the catalog when it was built (the pool re-checks)

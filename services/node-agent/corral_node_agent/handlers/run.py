@@ -18,6 +18,7 @@ from corral_common.contract.messages import Event, NodeRun, SandboxInfo, new_id
 from corral_common.contract.replies import RunReply
 
 from ..audit.wiring import AuditWiring
+from ..egress import sandbox_labels
 from ..events import Events
 from ..lifecycle import DESTROY_SECONDS
 from ..table import SandboxTable
@@ -53,7 +54,7 @@ class Run:
         # (an unknown image is the substrate's NotFound, raised before it sets anything up)
         now = time.time()
         info = SandboxInfo(id=new_id(), node=self.node, state="running", substrate=spec.substrate, image=spec.image,
-                           created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=spec.labels,
+                           created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=sandbox_labels(spec),
                            cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
         t0 = time.perf_counter()
         try:
@@ -67,7 +68,7 @@ class Run:
         RUN_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
         EXEC_SECONDS.labels(self.node, sub.name).observe(result.duration_ms / 1000)
         self.audit.emit(AuditEvent(
-            id=event_id(), ts=time.time(), node=self.node, sandbox=info.id, kind="exec", job=spec.job, labels=spec.labels,
+            id=event_id(), ts=time.time(), node=self.node, sandbox=info.id, kind="exec", job=spec.job, labels=info.labels,
             cmd=ereq.cmd if isinstance(ereq.cmd, str) else shlex.join(ereq.cmd), cwd=ereq.cwd or spec.workdir,
             exit_code=result.exit_code, duration_ms=round(result.duration_ms, 3), stdout_bytes=len(result.stdout),
             stderr_bytes=len(result.stderr), timed_out=result.timed_out,

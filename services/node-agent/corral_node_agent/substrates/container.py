@@ -21,11 +21,12 @@ import time
 
 import msgspec
 
-from corral_common import linux
+from corral_common import egress, linux
 from corral_common.contract.errors import Internal, Unavailable
 from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups, confine, initclient, masks, oci
+from ..egress import Egress
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
 from . import runc_cli
@@ -65,6 +66,7 @@ class ContainerSubstrate(Substrate):
         tag = hashlib.sha256(os.path.abspath(state_dir).encode()).hexdigest()[:8]
         self.cgroup_parent = f"/corral/{node}-{tag}"
         self.init_path = ""
+        self.egress = Egress(node)
 
     async def start(self) -> None:
         if not os.path.exists(self.runc) and not shutil.which(self.runc):
@@ -145,6 +147,9 @@ class ContainerSubstrate(Substrate):
         with open(f"{sdir}/init.pid") as f:
             init_pid = int(f.read().strip())
         linux.loopback_up(init_pid)
+        hosts: list[str] = []
+        if spec.network == "allowlist":
+            hosts = await asyncio.to_thread(self.egress.attach, sid, sdir, init_pid, egress.check(spec.network, spec.egress))
         try:
             await initclient.ping(f"{sdir}/ctl.sock")
         except initclient.InitError as e:
@@ -153,6 +158,8 @@ class ContainerSubstrate(Substrate):
         if spec.cpu < STARTUP_CPU:
             cg.set_cpu(spec.cpu)
         sb = ContainerSandbox(info, spec, sdir, cg, init_pid, layers)
+        if hosts:  # the allowed names, resolved by the node: there is no DNS inside
+            await self.write_file(sb, "/etc/hosts", ("127.0.0.1 localhost\n" + "\n".join(hosts) + "\n").encode(), 0o644, True)
         self._persist(sb)
         return sb
 
@@ -316,6 +323,7 @@ class ContainerSubstrate(Substrate):
             os.close(pidfd)
         # killing PID 1 takes the whole pid namespace down; the cgroup sweep catches stragglers
         cg.destroy(timeout=10)
+        self.egress.detach(sid, sdir)
         runc_cli.delete(self.runc, self.runc_root, sid)
         linux.umount_all(sdir)
         cg.destroy(timeout=1)
@@ -447,6 +455,8 @@ class ContainerSubstrate(Substrate):
                 sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid), rec.layers)
                 sb.paused = st.get("status") == "paused"
                 adopt_exec_groups(cg, sb.lingering)
+                if rec.spec.network == "allowlist":
+                    self.egress.adopt(sid, sdir, egress.check(rec.spec.network, rec.spec.egress))
                 adopted.append(sb)
                 report.adopted.append(sid)
                 continue
