@@ -5,6 +5,7 @@ Every check asserts on observable state; nothing here is skipped when a feature 
 from __future__ import annotations
 
 import asyncio
+import errno
 import glob
 import hashlib
 import os
@@ -562,6 +563,44 @@ async def test_harness_session_is_out_of_the_agents_reach(sandbox):
     assert (r.exit_code, r.stdout) == (0, "hidden-expected-answer\nreal\n"), r
     with pytest.raises(Conflict):
         await sandbox.exec("true", session="grader")
+
+
+INOTIFY = ("import ctypes, sys, time; l = ctypes.CDLL(None, use_errno=True); "
+           "fds = [l.inotify_init() for _ in range(int(sys.argv[1]))]; "
+           "print(sum(f >= 0 for f in fds), ctypes.get_errno(), flush=True); time.sleep(float(sys.argv[2]))")
+
+
+async def test_inotify_instances_are_capped_per_sandbox_not_taken_from_host_root(client):
+    """Sandbox root is host uid 0, and inotify instances count per uid: a sandbox opening 300
+    gets INOTIFY_PER_SANDBOX (then EMFILE, reported), the host's limit is raised, and host root
+    (and a second sandbox) can still open theirs while the first holds all it got."""
+    import ctypes
+
+    from corral_node_agent.audit.seccomp import INOTIFY_HOST_LIMIT, INOTIFY_PER_SANDBOX
+
+    a = await client.create(image="debian", cpu=0.5, memory_mb=128, ttl_s=600)
+    b = await client.create(image="debian", cpu=0.5, memory_mb=128, ttl_s=600)
+    try:
+        holding = asyncio.ensure_future(a.exec(["python3", "-c", INOTIFY, "300", "6"], timeout_s=60))
+        await asyncio.sleep(3)
+        with open("/proc/sys/fs/inotify/max_user_instances") as f:
+            assert int(f.read()) >= INOTIFY_HOST_LIMIT
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init()
+        assert fd >= 0, os.strerror(ctypes.get_errno())  # host root still gets one
+        os.close(fd)
+        r = await b.exec(["python3", "-c", INOTIFY, "10", "0"], timeout_s=60)
+        assert r.stdout.split() == ["10", "0"], r  # the neighbour gets its own
+        r = await holding
+        got, err = r.stdout.split()
+        assert int(got) == INOTIFY_PER_SANDBOX and int(err) == errno.EMFILE, r
+        # once the holder exited, the sandbox gets instances again (its count is taken anew)
+        await asyncio.sleep(1.2)
+        r = await a.exec(["python3", "-c", INOTIFY, "5", "0"], timeout_s=60)
+        assert r.stdout.split()[0] == "5", r
+    finally:
+        await a.destroy()
+        await b.destroy()
 
 
 async def test_setuid_files_from_a_sandbox_are_inert_on_the_host(stack, sandbox):

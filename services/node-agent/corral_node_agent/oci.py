@@ -40,6 +40,9 @@ WATCHED_SYSCALLS: list[dict[str, Any]] = [
     {"names": ["sendto"], "args": [{"index": 4, "value": 0, "op": "SCMP_CMP_NE"}]},
     {"names": ["kill", "tkill", "pidfd_send_signal"], "args": [{"index": 1, "value": 0, "op": "SCMP_CMP_NE"}]},
     {"names": ["tgkill"], "args": [{"index": 2, "value": 0, "op": "SCMP_CMP_NE"}]},
+    # inotify instances count per host uid (sandbox root is host root): the agent caps each
+    # sandbox's (audit/seccomp.py INOTIFY_PER_SANDBOX) so none can use up the host's budget
+    {"names": ["inotify_init", "inotify_init1"]},
 ]
 
 # What a process without capabilities may call: the unconditional allowlist of Docker's default

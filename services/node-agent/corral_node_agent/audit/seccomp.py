@@ -44,6 +44,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 from corral_common import metrics
@@ -80,8 +81,15 @@ X86_64_SYSCALLS: dict[int, str] = {
     212: "lookup_dcookie", 103: "syslog", 153: "vhangup", 180: "nfsservctl", 300: "fanotify_init",
     438: "pidfd_getfd", 312: "kcmp", 134: "uselib", 16: "ioctl", 56: "clone", 435: "clone3",
     42: "connect", 44: "sendto", 62: "kill", 200: "tkill", 234: "tgkill", 424: "pidfd_send_signal",
+    253: "inotify_init", 294: "inotify_init1",
 }
-WATCHED = {"connect", "sendto", "kill", "tkill", "tgkill", "pidfd_send_signal"}
+WATCHED = {"connect", "sendto", "kill", "tkill", "tgkill", "pidfd_send_signal", "inotify_init", "inotify_init1"}
+# inotify instances are counted per host uid (fs.inotify.max_user_instances, 128 by default) and
+# sandbox root is host root: each sandbox may hold this many, and the node raises the host's limit
+# to INOTIFY_HOST_LIMIT so that no sandbox (nor all of a full node's) can leave host root without one
+INOTIFY_PER_SANDBOX = 64
+INOTIFY_HOST_LIMIT = 1 << 17
+INOTIFY_RECOUNT_S = 1.0
 # their i386 numbers (socketcall carries connect/sendto on old i386 libcs), and x32 = x86_64 | bit 30
 I386_WATCHED = {102, 362, 369, 37, 238, 270, 424}
 SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
@@ -173,6 +181,7 @@ class SeccompListener:
         self.on_watched = on_watched
         self.on_throttled = on_throttled
         self.buckets: dict[str, Bucket] = {}
+        self.inotify: dict[str, tuple[int, float]] = {}  # sandbox -> (instances held, when last counted)
         self.node = node
         self.sock: socket.socket | None = None
         self.fds: dict[str, int] = {}  # sandbox id -> notify fd
@@ -181,6 +190,7 @@ class SeccompListener:
         self.handshakes: set[asyncio.Task] = set()
 
     async def start(self) -> None:
+        raise_inotify_limit()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -255,6 +265,8 @@ class SeccompListener:
         self.fds[new] = nfd
         if old in self.buckets:
             self.buckets[new] = self.buckets.pop(old)
+        if old in self.inotify:
+            self.inotify[new] = self.inotify.pop(old)
         loop.add_reader(nfd, self._on_ready, new, nfd)
 
     def register(self, sid: str, nfd: int) -> None:
@@ -341,9 +353,36 @@ class SeccompListener:
         except Exception:
             log.exception("seccomp audit callback failed")
 
+    def _inotify(self, sid: str, nfd: int, nid: int, pid: int, name: str) -> None:
+        """A new inotify instance: granted while the sandbox holds fewer than INOTIFY_PER_SANDBOX,
+        else EMFILE (what the kernel answers at its own limit), reported. Instances granted are
+        counted; the sandbox's real holdings (closes included) are recounted from its /proc at
+        most once a second, and only once the count reaches the cap."""
+        now = time.monotonic()
+        held, counted_at = self.inotify.get(sid, (0, 0.0))
+        if held >= INOTIFY_PER_SANDBOX and now - counted_at >= INOTIFY_RECOUNT_S:
+            held, counted_at = count_inotify(pid), now
+        refused = held >= INOTIFY_PER_SANDBOX
+        self.inotify[sid] = (held if refused else held + 1, counted_at)
+        try:
+            fcntl.ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, RESP.pack(nid, 0, -errno.EMFILE, 0) if refused
+                        else RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE))
+        except OSError:
+            pass
+        WATCHED_CALLS.labels(self.node, name).inc()
+        if refused and self.on_watched is not None:
+            try:
+                self.on_watched(sid, pid, _comm(pid), "syscall", name, "", True,
+                                {"limit": str(INOTIFY_PER_SANDBOX), "reason": "inotify instances per sandbox"})
+            except Exception:
+                log.exception("seccomp audit callback failed")
+
     def _watched(self, sid: str, nfd: int, nid: int, pid: int, name: str, args: tuple[int, ...]) -> None:
         """Look at a watched call while its caller waits, let it continue (or deny a signal to init),
         then report it if it is a network attempt or a signal to a foreign process."""
+        if name in ("inotify_init", "inotify_init1"):
+            self._inotify(sid, nfd, nid, pid, name)
+            return
         report: tuple[str, str, bool, dict[str, str]] | None = None
         try:
             if name in ("connect", "sendto"):
@@ -389,6 +428,7 @@ class SeccompListener:
         if self.fds.get(sid) == nfd:
             del self.fds[sid]
             self.buckets.pop(sid, None)
+            self.inotify.pop(sid, None)
         self._close(nfd)
 
     def _close(self, nfd: int) -> None:
@@ -404,6 +444,7 @@ class SeccompListener:
     def unregister(self, sid: str) -> None:
         self.aliases.pop(sid, None)
         self.buckets.pop(sid, None)
+        self.inotify.pop(sid, None)
         nfd = self.fds.pop(sid, None)
         if nfd is not None:
             self._close(nfd)
@@ -419,6 +460,42 @@ class SeccompListener:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def raise_inotify_limit() -> None:
+    """fs.inotify.max_user_instances up to INOTIFY_HOST_LIMIT (never lowered); a node that cannot
+    write it (no sysctl rights) keeps its own and says so."""
+    path = "/proc/sys/fs/inotify/max_user_instances"
+    try:
+        with open(path) as f:
+            if int(f.read().strip()) >= INOTIFY_HOST_LIMIT:
+                return
+        with open(path, "w") as f:
+            f.write(str(INOTIFY_HOST_LIMIT))
+    except (OSError, ValueError) as e:
+        log.warning("cannot raise %s to %d: %s (sandboxes share root's inotify budget)", path, INOTIFY_HOST_LIMIT, e)
+
+
+def count_inotify(pid: int) -> int:
+    """inotify instances held by the processes of `pid`'s sandbox, from its own /proc."""
+    proc = f"/proc/{pid}/root/proc"
+    n = 0
+    try:
+        pids = [p for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return 0
+    for p in pids:
+        try:
+            fds = os.listdir(f"{proc}/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{proc}/{p}/fd/{fd}") == "anon_inode:inotify":
+                    n += 1
+            except OSError:
+                continue
+    return n
 
 
 def comm_of(pid: int) -> str:
