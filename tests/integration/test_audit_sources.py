@@ -167,7 +167,7 @@ async def test_a_denied_syscall_flood_is_throttled_reported_and_fully_audited(cl
     """A sandbox calling a denied syscall in a tight loop is slowed to the listener's rate (its
     calls wait in the kernel, not the node-agent), a "throttled" event says so, every call is
     still answered EPERM and audited, and a neighbour's execs are served meanwhile."""
-    from corral_node_agent.audit.seccomp import NOTIFY_BURST, NOTIFY_RATE
+    from corral_node_agent.audit.budgets import NOTIFY_BURST, NOTIFY_RATE
 
     a = await client.create(image="busybox", cpu=1, memory_mb=128, ttl_s=600, job="audit-src")
     b = await client.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600, job="audit-src")

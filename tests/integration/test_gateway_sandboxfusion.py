@@ -221,7 +221,9 @@ async def test_runs_are_audited(gw):
     finally:
         await nc.close()
     assert execs, f"no exec audit event for {sid}"
-    assert execs[0].labels.get(labels.ADAPTER) == "sandbox-fusion" and execs[0].job == "sandbox-fusion"
+    # the gateway is a tenant-like identity: its jobs live under its name (docs/security.md)
+    assert execs[0].labels.get(labels.ADAPTER) == "sandbox-fusion" and execs[0].job == "gateway/sandbox-fusion"
+    assert execs[0].labels.get(labels.TENANT) == "gateway"
     assert execs[0].exit_code == 0
 
 

@@ -576,7 +576,7 @@ async def test_inotify_instances_are_capped_per_sandbox_not_taken_from_host_root
     (and a second sandbox) can still open theirs while the first holds all it got."""
     import ctypes
 
-    from corral_node_agent.audit.seccomp import INOTIFY_HOST_LIMIT, INOTIFY_PER_SANDBOX
+    from corral_node_agent.audit.budgets import INOTIFY_HOST_LIMIT, INOTIFY_PER_SANDBOX
 
     a = await client.create(image="debian", cpu=0.5, memory_mb=128, ttl_s=600)
     b = await client.create(image="debian", cpu=0.5, memory_mb=128, ttl_s=600)

@@ -14,7 +14,8 @@ import msgspec
 import nats
 import pytest
 
-from corral_common.contract import subjects
+from corral_common import auth
+from corral_common.contract import labels, subjects
 from corral_common.contract.audit import AuditBatch
 from corral_sdk import AsyncClient, Capacity, Forbidden
 from corral_sdk.stackauth import add_tenant, revoke_tenant
@@ -168,6 +169,37 @@ async def test_a_tenant_forwards_ports_of_its_own_sandboxes_only(stack, two_tena
             await clients[b].sandbox(sb.id).connect_port(7000)
     finally:
         await sb.destroy()
+
+
+async def test_a_tenant_hears_the_alerts_on_its_own_sandboxes_only(stack, two_tenants):
+    a, b, clients, creds = two_tenants
+    sa = await clients[a].create(image="busybox", cpu=0.2, memory_mb=64)
+    try:
+        assert sa.info.labels.get(labels.TENANT) == a
+        async with clients[a].alerts.subscribe(tenant=a) as mine, clients[b].alerts.subscribe(tenant=b) as theirs:
+            await sa.exec("mount -t tmpfs x /mnt; true")
+            got = await asyncio.wait_for(mine.__anext__(), 60)
+            assert got.sandbox == sa.id and got.rule in ("denied_syscall", "denial_burst"), got
+            await asyncio.sleep(1)
+            assert theirs._queue.empty()
+        # and B may not listen on A's subject at all
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e).lower())
+
+        nb = await nats.connect(stack.bus_url, error_cb=on_error, max_reconnect_attempts=0,
+                                **auth.connect_options(stack.bus_url, creds[b]))
+        await nb.subscribe(subjects.tenant_alerts(a))
+        await nb.flush()
+        for _ in range(100):
+            if any("permissions violation" in e for e in errors):
+                break
+            await asyncio.sleep(0.05)
+        assert any("permissions violation" in e for e in errors), errors
+        await nb.close()
+    finally:
+        await sa.destroy()
 
 
 async def test_what_only_the_operator_may_do(stack, two_tenants):

@@ -45,7 +45,9 @@ class AlertSubscription:
 
     def __init__(self, client: AsyncClient, job: str | None = None, severity: str | Iterable[str] | None = None,
                  rule: str | Iterable[str] | None = None, sandbox: str | None = None, since: float | None = None,
-                 min_severity: str | None = None):
+                 min_severity: str | None = None, tenant: str | None = None):
+        if tenant is not None and since is not None:
+            raise ValueError("a tenant's alerts are live only: `since` replays the operator's stream")
         self.client = client
         self.job = job
         self.sandbox = sandbox
@@ -55,7 +57,8 @@ class AlertSubscription:
             if min_severity not in SEVERITIES:
                 raise ValueError(f"min_severity must be one of {SEVERITIES}")
             sev = list(SEVERITIES[SEVERITIES.index(min_severity):])
-        self.subjects = [subjects.alert(s, r) for s in sev for r in _token(rule)]
+        self.subjects = [subjects.alert(s, r) if tenant is None else subjects.tenant_alert(tenant, s, r)
+                         for s in sev for r in _token(rule)]
         self._queue: asyncio.Queue[Alert | None] = asyncio.Queue()
         self._subs: list[Any] = []
         self._seen: set[str] = set()
@@ -154,6 +157,8 @@ class Alerts:
 
     def subscribe(self, job: str | None = None, severity: str | Iterable[str] | None = None, *,
                   rule: str | Iterable[str] | None = None, sandbox: str | None = None, since: float | None = None,
-                  min_severity: str | None = None) -> AlertSubscription:
+                  min_severity: str | None = None, tenant: str | None = None) -> AlertSubscription:
+        """`tenant="alice"`: alice's own alerts, on her subjects (what a tenant's connection may
+        hear; live only, `since` is the operator's)."""
         return AlertSubscription(self._client, job=job, severity=severity, rule=rule, sandbox=sandbox, since=since,
-                                 min_severity=min_severity)
+                                 min_severity=min_severity, tenant=tenant)

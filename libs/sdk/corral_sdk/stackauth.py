@@ -144,17 +144,21 @@ def server_config(listen: str, store_dir: str, passwords: dict[str, str], tenant
     # bounds how long a reply route stays open (the longest exec allowed, 24 h)
     public = f"{subjects.PREFIX}.>"
     def tenant(name: str, password: str, may_publish: str) -> dict[str, Any]:
+        hears = [f"{tenancy.inbox_prefix(name)}.>", subjects.tenant_alerts(name)]
         return {"user": name, "password": password, "permissions": {
-            "publish": {"allow": [may_publish]}, "subscribe": {"allow": [f"{tenancy.inbox_prefix(name)}.>"]}}}
+            "publish": {"allow": [may_publish]}, "subscribe": {"allow": hears}}}
 
     tenant_users = [tenant(name, password, public) for name, password in sorted(tenant_passwords.items())]
     if EDGE in passwords:
         tenant_users.append(tenant(EDGE, passwords[EDGE], f"{subjects.PREFIX}.sandbox.>"))
     accounts: dict[str, Any] = {
         ACCOUNT: {"jetstream": "enabled", "users": users,
-                  "exports": [{"service": public, "response_type": "stream", "response_threshold": "24h"}]},
+                  "exports": [{"service": public, "response_type": "stream", "response_threshold": "24h"},
+                              {"stream": subjects.TENANT_ALERTS_ALL}]},
         # present from the start, even with no tenant: users added to it later by a reload work
-        tenancy.ACCOUNT: {"users": tenant_users, "imports": [{"service": {"account": ACCOUNT, "subject": public}, "share": True}]},
+        tenancy.ACCOUNT: {"users": tenant_users,
+                          "imports": [{"service": {"account": ACCOUNT, "subject": public}, "share": True},
+                                      {"stream": {"account": ACCOUNT, "subject": subjects.TENANT_ALERTS_ALL}}]},
     }
     return (f"listen: {json.dumps(listen)}\nmax_payload: 8MB\npid_file: {json.dumps(pid_file)}\n"
             f"jetstream {{ store_dir: {json.dumps(store_dir)} }}\naccounts: {json.dumps(accounts, indent=1)}\n")

@@ -21,10 +21,11 @@ import logging
 import time
 
 import msgspec
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from corral_common import metrics
-from corral_common.contract import subjects
+from corral_common.contract import labels, subjects
 from corral_common.contract.audit import Alert, AuditEvent, Finding, Severity
 
 from .store import AlertRow, Store
@@ -58,9 +59,15 @@ def finding_alert(f: Finding, sandbox: str, node: str = "", job: str = "") -> Al
                  job=job, message=f.message, paths=list(f.paths))
 
 
+def alert_tenant(a: Alert) -> str:
+    """The tenant whose sandbox an alert is about, from the label the node set on its events."""
+    return next((e.labels[labels.TENANT] for e in a.evidence if labels.TENANT in e.labels), "")
+
+
 class AlertManager:
-    def __init__(self, js: JetStreamContext | None, store: Store, window_s: float = 30.0):
+    def __init__(self, js: JetStreamContext | None, store: Store, window_s: float = 30.0, nc: NATS | None = None):
         self.js = js
+        self.nc = nc
         self.store = store
         self.window_s = window_s
         self.last: dict[tuple[str, str], float] = {}
@@ -117,6 +124,11 @@ class AlertManager:
         if self.js is not None:
             await asyncio.gather(*(self.js.publish(subjects.alert(a.severity, a.rule), encoder.encode(a),
                                                    headers={"Nats-Msg-Id": a.id}, timeout=5) for a in alerts))
+        if self.nc is not None:
+            for a in alerts:  # a tenant hears the alerts on its own sandboxes (live, core NATS)
+                tenant = alert_tenant(a)
+                if tenant:
+                    await self.nc.publish(subjects.tenant_alert(tenant, a.severity, a.rule), encoder.encode(a))
         for a in alerts:
             ALERTS.labels(a.rule, a.severity).inc()
             log.info("alert", extra={"fields": {"rule": a.rule, "severity": a.severity, "sandbox": a.sandbox, "job": a.job,

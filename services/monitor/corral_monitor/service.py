@@ -78,7 +78,7 @@ class Monitor:
 
         dead = DeadLetters(self.js)
         await dead.ensure()
-        alerts = AlertManager(self.js, store, cfg.alert_window_s)
+        alerts = AlertManager(self.js, store, cfg.alert_window_s, nc=self.nc)
         restored = await asyncio.to_thread(alerts.restore)
         ctx = rulereg.RuleContext(cfg.protected_paths, cfg.canaries)
         detector = Detector(rulereg.build(ctx, cfg.rules or None), rulereg.build_sql(cfg.rules or None), alerts, store, ctx,

@@ -27,9 +27,7 @@ import subprocess
 import threading
 
 from corral_common import egress, logs, metrics
-from corral_common.contract import labels
 from corral_common.contract.errors import InvalidRequest, Unavailable
-from corral_common.contract.messages import SandboxSpec
 
 log = logging.getLogger("corral.node.egress")
 
@@ -56,13 +54,6 @@ def _must(argv: list[str]) -> None:
 
 def _ipt(*args: str, table: str = "filter") -> list[str]:
     return ["iptables", "-w", "-t", table, *args]
-
-
-def sandbox_labels(spec: SandboxSpec) -> dict[str, str]:
-    """The labels a sandbox of `spec` carries (and with them every audit event of it): the spec's,
-    with labels.NETWORK set by the node alone, so the monitor knows an allowlist is in force."""
-    own = {k: v for k, v in spec.labels.items() if k != labels.NETWORK}
-    return {**own, labels.NETWORK: "allowlist"} if spec.network == "allowlist" else own
 
 
 def resolve(rules: list[egress.Rule]) -> tuple[Resolved, list[str]]:

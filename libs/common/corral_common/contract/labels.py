@@ -31,5 +31,9 @@ DOCKER_USER_PREFIX = "corral.label."  # + a SandboxSpec label key: the user's ow
 # monitor's network_egress rule)
 NETWORK = "corral.network"
 
+# set by the node on a tenant's sandbox (a spec's own is dropped): its audit events, and so the
+# alerts on them, name the tenant, which hears them on subjects.tenant_alert
+TENANT = "corral.tenant"
+
 # the edge adapter a sandbox was made for (the SandboxFusion gateway: "sandbox-fusion")
 ADAPTER = "corral.adapter"

@@ -155,6 +155,8 @@ CHANNELS: list[Channel] = [
             "Audit events of a sandbox: exec, file, syscall, net, signal, canary, loss", "CORRAL_AUDIT"),
     Channel("alerts", subjects.alert("{severity}", "{rule}"), audit.Alert, "monitor",
             "Misbehaviour the monitor's rules flagged", "CORRAL_ALERTS"),
+    Channel("tenantAlerts", subjects.tenant_alert("{tenant}", "{severity}", "{rule}"), audit.Alert, "monitor",
+            "A tenant's copy of the alerts on its own sandboxes (core NATS: live only)"),
     Channel("trajectorySteps", subjects.traj_entry("{trajectory}", "{step}"), messages.TrajEntry, "node-agent",
             "One logged step of a trajectory (its request and result)", "CORRAL_TRAJ"),
     Channel("envProgress", subjects.env_progress("{build_id}"), envs.EnvProgress, "env-builder",

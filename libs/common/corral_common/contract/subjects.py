@@ -92,6 +92,20 @@ def alert(severity: str, rule: str) -> str:
     return f"{ALERTS_PREFIX}.{severity}.{rule}"
 
 
+def tenant_alert(tenant: str, severity: str, rule: str) -> str:
+    """Where a tenant hears the alerts on its own sandboxes (a copy of `alert`, core NATS; the one
+    alert subject a tenant may subscribe to: its own)."""
+    return f"corral.tenant.{tenant}.alerts.{severity}.{rule}"
+
+
+def tenant_alerts(tenant: str) -> str:
+    """Every alert subject of one tenant (what it may subscribe to)."""
+    return f"corral.tenant.{tenant}.alerts.>"
+
+
+TENANT_ALERTS_ALL = tenant_alerts("*")
+
+
 def node_loader(node: str, op: str) -> str:
     """`corral.node.<node>.loader.<op>`: request/reply subjects of a node's lazy loader."""
     return f"corral.node.{node}.loader.{op}"

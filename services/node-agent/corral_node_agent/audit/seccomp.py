@@ -50,6 +50,16 @@ from collections.abc import Callable
 from corral_common import metrics
 
 from .. import oci
+from .budgets import (
+    INOTIFY_PER_SANDBOX,
+    INOTIFY_RECOUNT_S,
+    NOTIFY_RATE,
+    THROTTLE_PAUSE_S,
+    THROTTLE_REPORT_S,
+    Bucket,
+    count_inotify,
+    raise_inotify_limit,
+)
 
 log = logging.getLogger("corral.node.seccomp")
 
@@ -59,11 +69,6 @@ SECCOMP_IOCTL_NOTIF_ID_VALID = 0x40082102
 NOTIF = struct.Struct("=QIIiIQ6Q")  # seccomp_notif: id, pid, flags, seccomp_data{nr, arch, ip, args[6]} (80 bytes)
 RESP = struct.Struct("=QqiI")  # seccomp_notif_resp: id, val, error, flags (24 bytes)
 assert NOTIF.size == 80 and RESP.size == 24
-
-NOTIFY_RATE = 1000.0  # notifications per second a sandbox is answered at, sustained
-NOTIFY_BURST = 2000.0
-THROTTLE_PAUSE_S = 0.1
-THROTTLE_REPORT_S = 1.0
 
 AUDIT_ARCH_X86_64 = 0xC000003E
 AUDIT_ARCH_I386 = 0x40000003
@@ -84,12 +89,6 @@ X86_64_SYSCALLS: dict[int, str] = {
     253: "inotify_init", 294: "inotify_init1",
 }
 WATCHED = {"connect", "sendto", "kill", "tkill", "tgkill", "pidfd_send_signal", "inotify_init", "inotify_init1"}
-# inotify instances are counted per host uid (fs.inotify.max_user_instances, 128 by default) and
-# sandbox root is host root: each sandbox may hold this many, and the node raises the host's limit
-# to INOTIFY_HOST_LIMIT so that no sandbox (nor all of a full node's) can leave host root without one
-INOTIFY_PER_SANDBOX = 64
-INOTIFY_HOST_LIMIT = 1 << 17
-INOTIFY_RECOUNT_S = 1.0
 # their i386 numbers (socketcall carries connect/sendto on old i386 libcs), and x32 = x86_64 | bit 30
 I386_WATCHED = {102, 362, 369, 37, 238, 270, 424}
 SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
@@ -147,25 +146,6 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-class Bucket:
-    """One sandbox's notification budget (a token bucket) and what its throttling has been."""
-
-    def __init__(self, now: float):
-        self.tokens = NOTIFY_BURST
-        self.at = now
-        self.pauses = 0  # since the last report
-        self.reported = 0.0
-        self.last = ""  # the last call reported, named in the throttle report
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(NOTIFY_BURST, self.tokens + (now - self.at) * NOTIFY_RATE)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
 
 ThrottleCallback = Callable[[str, str, dict[str, str]], None]  # sandbox, last call, detail
@@ -460,42 +440,6 @@ class SeccompListener:
                 os.unlink(self.path)
             except OSError:
                 pass
-
-
-def raise_inotify_limit() -> None:
-    """fs.inotify.max_user_instances up to INOTIFY_HOST_LIMIT (never lowered); a node that cannot
-    write it (no sysctl rights) keeps its own and says so."""
-    path = "/proc/sys/fs/inotify/max_user_instances"
-    try:
-        with open(path) as f:
-            if int(f.read().strip()) >= INOTIFY_HOST_LIMIT:
-                return
-        with open(path, "w") as f:
-            f.write(str(INOTIFY_HOST_LIMIT))
-    except (OSError, ValueError) as e:
-        log.warning("cannot raise %s to %d: %s (sandboxes share root's inotify budget)", path, INOTIFY_HOST_LIMIT, e)
-
-
-def count_inotify(pid: int) -> int:
-    """inotify instances held by the processes of `pid`'s sandbox, from its own /proc."""
-    proc = f"/proc/{pid}/root/proc"
-    n = 0
-    try:
-        pids = [p for p in os.listdir(proc) if p.isdigit()]
-    except OSError:
-        return 0
-    for p in pids:
-        try:
-            fds = os.listdir(f"{proc}/{p}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"{proc}/{p}/fd/{fd}") == "anon_inode:inotify":
-                    n += 1
-            except OSError:
-                continue
-    return n
 
 
 def comm_of(pid: int) -> str:

@@ -31,9 +31,9 @@ from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import NodeCreate, NodeCreateBatch, NodeItemResult, SandboxInfo, encoder
 from corral_common.contract.replies import NodeBatchReply
 
-from ..egress import sandbox_labels
 from ..events import Events
 from ..placements import Placements
+from ..sandbox_labels import sandbox_labels
 from ..table import SandboxTable
 from .create import Create
 

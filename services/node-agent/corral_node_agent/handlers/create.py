@@ -17,10 +17,10 @@ from corral_common.contract.replies import NodeCreateReply, SandboxReply
 from corral_common.layers import Catalog
 
 from ..audit.wiring import AuditWiring
-from ..egress import sandbox_labels
 from ..events import Events
 from ..lifecycle import Lifecycle
 from ..placements import Placements
+from ..sandbox_labels import sandbox_labels
 from ..substrates import Substrate
 from ..substrates.base import Sandbox
 from ..table import SandboxTable

@@ -18,9 +18,9 @@ from corral_common.contract.messages import Event, NodeRun, SandboxInfo, new_id
 from corral_common.contract.replies import RunReply
 
 from ..audit.wiring import AuditWiring
-from ..egress import sandbox_labels
 from ..events import Events
 from ..lifecycle import DESTROY_SECONDS
+from ..sandbox_labels import sandbox_labels
 from ..table import SandboxTable
 from .exec import EXEC_SECONDS, bus_limit, fit_to_bus
 

@@ -1,0 +1,19 @@
+"""The labels a sandbox carries, and with them every audit event of it: the spec's own, plus those
+only the node sets (a spec's own value for them is dropped), which tell the monitor what holds
+for the sandbox: an egress allowlist is in force (labels.NETWORK), whose tenant it is
+(labels.TENANT: its alerts go to that tenant too)."""
+from __future__ import annotations
+
+from corral_common.contract import labels
+from corral_common.contract.messages import SandboxSpec
+
+NODE_SET = (labels.NETWORK, labels.TENANT)
+
+
+def sandbox_labels(spec: SandboxSpec) -> dict[str, str]:
+    out = {k: v for k, v in spec.labels.items() if k not in NODE_SET}
+    if spec.network == "allowlist":
+        out[labels.NETWORK] = "allowlist"
+    if spec.tenant:
+        out[labels.TENANT] = spec.tenant
+    return out
