@@ -415,6 +415,17 @@ async def test_timeout_kills_every_process_of_the_exec(env, substrate):
         assert r.stdout == "alive\n"
 
 
+@pytest.mark.parametrize("substrate", SUBSTRATES)
+async def test_unread_stdin_does_not_hold_the_timeout(env, substrate):
+    """A command that never reads a large stdin still ends at its timeout (the stdin must not be
+    written to completion before the timeout starts to count), and the sandbox keeps working."""
+    async with target(env, substrate) as t:
+        r = await t.exec("sleep 30", stdin="x" * (4 << 20), timeout_s=2)
+        assert r.timed_out is True, r  # a stdin written first held the exec until sleep ended: 0, not timed out
+        r = await ok(t, "head -c 5; echo", stdin="hello and more")
+        assert r.stdout == "hello\n", r
+
+
 # ============================================================================ isolation
 
 

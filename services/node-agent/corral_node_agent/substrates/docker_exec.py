@@ -27,6 +27,11 @@ from .base import ChunkCallback
 from .common import result_stderr, session_exec
 from .docker_sandbox import DockerSandbox, docker_error
 
+# what an exec may take beyond its timeout_s before it is answered whatever Docker says (the SDK
+# waits timeout_s + 15 s for the reply)
+REPLY_MARGIN_S = 10.0
+START_TIMEOUT_S = 30.0
+
 # waits for the go-ahead line (sent once the node-agent has moved it into its exec cgroup), then
 # becomes the command; a missing command gets the container substrate's message and code
 WRAPPER = ('read -r _ || exit 125; command -v -- "$1" >/dev/null 2>&1 || '
@@ -39,25 +44,27 @@ async def _start(sb: DockerSandbox, argv: list[str], env: dict[str, str], cwd: s
     start it at all."""
     from aiodocker.exceptions import DockerError
 
+    stream = None
     try:
-        ex = await sb.container.exec(["/bin/sh", "-c", WRAPPER, "corral-exec", *argv], stdin=True, stdout=True, stderr=True,
-                                     environment=env, workdir=cwd,
-                                     user=f"{HARNESS_ID}:{HARNESS_ID}" if harness else "")
-        stream = ex.start(detach=False)
-        await stream._init()
-        deadline = time.monotonic() + 30
-        delay = 0.001
-        while True:
-            info = await ex.inspect()
-            if info.get("Pid"):
-                return ex, stream, int(info["Pid"])
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return ex, stream, 0
-            if time.monotonic() > deadline:
-                await stream.close()
-                raise Unavailable(f"docker exec in {sb.id} did not start within 30s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        async with asyncio.timeout(START_TIMEOUT_S):  # Docker answers each call, or the exec fails clearly
+            ex = await sb.container.exec(["/bin/sh", "-c", WRAPPER, "corral-exec", *argv], stdin=True, stdout=True, stderr=True,
+                                         environment=env, workdir=cwd,
+                                         user=f"{HARNESS_ID}:{HARNESS_ID}" if harness else "")
+            stream = ex.start(detach=False)
+            await stream._init()
+            delay = 0.001
+            while True:
+                info = await ex.inspect()
+                if info.get("Pid"):
+                    return ex, stream, int(info["Pid"])
+                if not info.get("Running") and info.get("ExitCode") is not None:
+                    return ex, stream, 0
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+    except TimeoutError:
+        if stream is not None:
+            await stream.close()
+        raise Unavailable(f"docker exec in {sb.id} did not start within {START_TIMEOUT_S:g}s") from None
     except DockerError as e:
         raise docker_error(e, f"exec in {sb.id}") from None
 
@@ -101,30 +108,34 @@ async def exec_in(sb: DockerSandbox, req: ExecRequest, on_chunk: ChunkCallback |
             on_chunk(name, data)
 
     reader = asyncio.create_task(_pump_out(stream, sink))
+    # the go-ahead line and the caller's stdin go in beside the wait, never before it: a command
+    # that does not read its stdin must not hold the exec past its timeout on a full socket
+    feeder = asyncio.create_task(_feed(stream, b"\n" + req.stdin.encode()))
+    deadline = time.monotonic() + req.timeout_s + REPLY_MARGIN_S
     timed_out = False
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
         pidfd = None
     try:
-        await stream.write_in(b"\n" + req.stdin.encode())
-        _write_eof(stream)
         if pidfd is not None and not await _wait_readable(pidfd, req.timeout_s):
             timed_out = True
             await asyncio.to_thread(sb.cg.kill_group, group)
-            await _wait_readable(pidfd, 10)
-    except (ConnectionError, RuntimeError):
-        pass  # the command ended before reading its stdin
+            await _wait_readable(pidfd, 5)
+        elif pidfd is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), req.timeout_s)
     finally:
         if pidfd is not None:
             os.close(pidfd)
+    feeder.cancel()
     try:
-        await asyncio.wait_for(asyncio.shield(reader), 0.05 if pidfd is not None else req.timeout_s)
+        await asyncio.wait_for(asyncio.shield(reader), 0.05)
     except Exception:  # a background child keeps the stream open, or it broke: what we have is the output
         pass
     reader.cancel()
     await stream.close()
-    code = await _exit_code(ex, timed_out)
+    code = await _exit_code(ex, timed_out, max(1.0, deadline - time.monotonic()))
     if not sb.cg.remove_group(group):
         sb.lingering.add(group)
     oom_now = sb.cg.oom_kills() > oom_before
@@ -270,6 +281,13 @@ async def _drain(stream, timeout: float) -> str:
     with contextlib.suppress(TimeoutError, Exception):
         await asyncio.wait_for(go(), timeout)
     return b"".join(out).decode("utf-8", errors="replace")
+
+
+async def _feed(stream, data: bytes) -> None:
+    """Write `data` to the exec's stdin, then close it (the output keeps flowing)."""
+    with contextlib.suppress(ConnectionError, RuntimeError):  # the command ended before reading it all
+        await stream.write_in(data)
+        _write_eof(stream)
 
 
 def _write_eof(stream) -> None:
