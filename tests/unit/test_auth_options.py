@@ -27,8 +27,10 @@ def test_credentials_forms_and_precedence(tmp_path, monkeypatch):
     assert auth.connect_options("nats://h:4222", seed) == {"nkeys_seed": seed}
     with pytest.raises(ValueError):
         auth.connect_options("nats://h:4222", _write(str(tmp_path / "bad"), "no colon here"))
-    # a URL with its own user and password wins over everything
-    assert auth.connect_options("nats://u:p@h:4222", pw) == {}
+    # a URL with its own user and password wins over everything, and is passed for every server
+    # (a cluster announces more servers, whose URLs carry no password)
+    assert auth.connect_options("nats://u:p%40ss@h:4222", pw) == {"user": "u", "password": "p@ss", "inbox_prefix": "_INBOX.u"}
+    assert auth.connect_options("nats://h:4222,nats://u:p@h2:4222")["user"] == "u"
     # the environment, then the local stack's operator credentials, for loopback servers only
     monkeypatch.setenv(auth.CREDS_ENV, pw)
     assert auth.connect_options("nats://h:4222")["user"] == "alice"
@@ -38,3 +40,8 @@ def test_credentials_forms_and_precedence(tmp_path, monkeypatch):
     assert auth.connect_options("nats://127.0.0.1:4222")["user"] == "admin"
     assert auth.connect_options("nats://localhost:4222,nats://127.0.0.1:4223")["user"] == "admin"
     assert auth.connect_options("nats://10.1.2.3:4222") == {}  # never sent to another machine
+
+
+def test_server_lists_lose_their_passwords():
+    assert auth.servers("nats://u:p@a:4222, nats://b:4223,c:4224") == ["nats://a:4222", "nats://b:4223", "nats://c:4224"]
+    assert auth.servers("tls://u:p@a:4222") == ["tls://a:4222"]

@@ -19,3 +19,13 @@ def test_metrics_host_reads_the_environment(module):
     assert p.returncode == 0, p.stderr
     line = next(ln for ln in p.stdout.splitlines() if "--metrics-host" in ln)
     assert "CORRAL_METRICS_HOST" in line and "0.0.0.0" in line, line
+
+
+def test_a_node_id_is_spelled_alike_by_its_node_agent_and_its_loader(monkeypatch):
+    """Both take config.node_id (their __main__): a Kubernetes node name with dots (EKS) becomes one subject token,
+    the same for the loader as for its node-agent, which would otherwise never find each other."""
+    from corral_common import config
+
+    assert config.node_id("ip-10-0-1-2.ec2.internal") == "ip-10-0-1-2-ec2-internal"
+    monkeypatch.setenv("CORRAL_NODE", "Node_7")
+    assert config.node_id() == "node-7" == config.node_id(None)

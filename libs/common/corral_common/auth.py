@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from . import config
 
@@ -26,8 +26,26 @@ def creds_path(identity: str, data_dir: str) -> str:
     return os.path.join(data_dir, AUTH_DIR, f"{identity}.creds")
 
 
-def _has_userinfo(url: str) -> bool:
-    return any(urlsplit(u.strip()).username for u in url.split(","))
+def servers(url: str) -> list[str]:
+    """The server list of a NATS URL: `nats://a:4222,nats://b:4222` (a cluster) names several,
+    as NATS tools take them; nats-py wants them as a list. User and password are left out of
+    them: connect_options passes them for every server, the ones the cluster announces later too
+    (a password only in the first URL fails on a reconnect to a discovered server)."""
+    out = []
+    for u in (u.strip() for u in url.split(",")):
+        if not u:
+            continue
+        parts = urlsplit(u if "://" in u else f"nats://{u}")
+        out.append(parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl())
+    return out
+
+
+def _userinfo(url: str) -> tuple[str, str] | None:
+    for u in url.split(","):
+        parts = urlsplit(u.strip())
+        if parts.username:
+            return unquote(parts.username), unquote(parts.password or "")
+    return None
 
 
 def _local_default(url: str) -> str | None:
@@ -42,10 +60,10 @@ def _local_default(url: str) -> str | None:
 
 def connect_options(url: str, creds: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `nats.connect(url, ...)` that authenticate as the caller's identity
-    ({} when the URL carries its own user and password, or no credentials are found: an open
-    server still accepts the connection, and a closed one answers why)."""
-    if _has_userinfo(url):
-        return {}
+    ({} when no credentials are found: an open server still accepts the connection, and a closed
+    one answers why)."""
+    if (info := _userinfo(url)) is not None:
+        return _user_password(*info)
     path = creds or os.environ.get(CREDS_ENV) or _local_default(url)
     if not path:
         return {}
@@ -58,6 +76,10 @@ def connect_options(url: str, creds: str | None = None) -> dict[str, Any]:
     user, sep, password = text.partition(":")
     if not sep or not user:
         raise ValueError(f"{path}: not a NATS credentials file (expected a .creds file, an nkey seed, or user:password)")
+    return _user_password(user, password)
+
+
+def _user_password(user: str, password: str) -> dict[str, Any]:
     # replies to a tenant may only arrive under its own inbox prefix (tenancy.inbox_prefix); for
     # corral's own identities the prefix is merely a label
     return {"user": user, "password": password, "inbox_prefix": f"_INBOX.{user}"}

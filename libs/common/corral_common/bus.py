@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import msgspec
 import nats
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -18,12 +20,18 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
-from . import auth, metrics
+from . import auth, config, metrics
 from .contract import envelope, subjects
 from .contract.errors import Code, CorralError
 from .discovery import Discovery
 
 log = logging.getLogger("corral.bus")
+# what a handler meets while a NATS server or a JetStream leader fails over: a publish nobody
+# acknowledges yet, a request nobody answers yet, a connection being re-established
+_BUS_TRANSIENT: tuple[type[BaseException], ...] = (
+    nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError, nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError)
 T = TypeVar("T")
 
 
@@ -32,7 +40,7 @@ async def connect(url: str, name: str, **kw: Any) -> NATS:
     the environment's credentials name (auth.py)."""
     kw = {**auth.connect_options(url), **kw}
     return await nats.connect(
-        url,
+        auth.servers(url),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -42,13 +50,34 @@ async def connect(url: str, name: str, **kw: Any) -> NATS:
     )
 
 
+async def _while_jetstream_forms(op: Callable[[], Awaitable[T]], what: str, wait_s: float = 60.0) -> T:
+    """`op`, retried while JetStream cannot place it yet: a cluster that is still electing its
+    meta leader, or has too few peers up for the replicas asked for, answers 503 or not at all."""
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import ServiceUnavailableError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await op()
+        except (ServiceUnavailableError, NatsTimeout) as e:
+            if time.monotonic() > deadline:
+                raise
+            log.info("JetStream cannot create %s yet (%s); retrying", what, e)
+            await asyncio.sleep(0.5)
+
+
 async def ensure_streams(js: JetStreamContext) -> None:
     for name, subs in subjects.STREAMS.items():
-        cfg = StreamConfig(name=name, subjects=subs, storage=StorageType.FILE, max_age=7 * 86400)
-        try:
-            await js.add_stream(cfg)
-        except BadRequestError:
-            await js.update_stream(cfg)
+        cfg = StreamConfig(name=name, subjects=subs, storage=StorageType.FILE, max_age=7 * 86400, num_replicas=config.js_replicas())
+
+        async def put(cfg: StreamConfig = cfg) -> None:
+            try:
+                await js.add_stream(cfg)
+            except BadRequestError:
+                await js.update_stream(cfg)
+
+        await _while_jetstream_forms(put, f"stream {name}")
 
 
 async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None, history: int = 1) -> KeyValue:
@@ -57,10 +86,112 @@ async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None,
     except Exception:  # not there yet (or unreadable): creating it below raises the real error
         pass
     try:
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=history, ttl=ttl))
+        return await _while_jetstream_forms(
+            lambda: js.create_key_value(KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=config.js_replicas())),
+            f"KV bucket {bucket}")
     except BadRequestError:
         # another process created it in between
         return await js.key_value(bucket)
+
+
+async def kv_get(kv: KeyValue, key: str, what: str, wait_s: float = 10.0) -> KeyValue.Entry | None:
+    """The entry of `key`, or None when it is absent or deleted. A bucket that cannot be read (its
+    stream is electing a leader after a server failed, or the server is gone) is retried for
+    `wait_s`, then `unavailable`: never reported as an absent key, which would tell a caller that
+    an image or a sandbox that exists does not."""
+    from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        except Exception as e:
+            if time.monotonic() > deadline:
+                raise CorralError(f"{what} cannot be read now ({e or type(e).__name__}); retry", Code.UNAVAILABLE,
+                                  retry_after_s=1.0) from None
+            await asyncio.sleep(0.2)
+
+
+class KVWatch:
+    """Every change of a KV bucket, as `async for entry in KVWatch(kv)` (None entries, the end of
+    the initial values, are left out), across the loss of the server that delivers them.
+
+    nats-py's watch is an ordered push consumer on one server; when that server dies the consumer
+    dies with it, and the client notices only after missed heartbeats and recreates it once (if
+    the stream is mid-election then, never): a scheduler's placement table then silently stops
+    following the bucket (seen: destroyed sandboxes listed for good after a nats-server was
+    killed). Here, whenever the watch is idle, the bucket's last sequence is compared with the
+    last revision delivered; a watch still behind at the next check is replaced by a new one,
+    which replays the latest value (or delete marker) of every key: consumers must take an entry
+    seen twice as a no-op."""
+
+    def __init__(self, kv: KeyValue, check_every_s: float = 2.0):
+        self.kv = kv
+        self.check_every_s = check_every_s
+        self.restarts = 0
+        self._watcher: Any = None
+        self._seen = 0
+        self._stopped = False
+
+    async def start(self) -> None:
+        self._watcher = await self.kv.watchall()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:  # shutting down: a watcher that fails to stop is dropped with the connection
+                pass
+
+    async def __aiter__(self) -> AsyncIterator[KeyValue.Entry]:
+        if self._watcher is None:
+            await self.start()
+        behind_since: int | None = None
+        while not self._stopped:
+            try:
+                e = await self._watcher.updates(timeout=self.check_every_s)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                behind = await self._behind()
+                if behind is None or not behind:
+                    behind_since = None
+                elif behind_since == self._seen:  # behind, and nothing arrived since the last check
+                    await self._restart()
+                    behind_since = None
+                else:
+                    behind_since = self._seen
+                continue
+            if e is None:
+                continue
+            if not isinstance(e, KeyValue.Entry):  # the watcher's stop sentinel: stopped under us
+                if self._stopped:
+                    return
+                continue
+            self._seen = max(self._seen, e.revision or 0)
+            yield e
+
+    async def _behind(self) -> bool | None:
+        try:
+            info = await self.kv._js.stream_info(self.kv._stream)
+        except Exception:  # the stream is failing over: look again at the next idle moment
+            return None
+        return bool(info.state.last_seq and info.state.last_seq > self._seen)
+
+    async def _restart(self) -> None:
+        log.warning("KV watch fell behind its bucket; watching again", extra={"fields": {"stream": self.kv._stream, "seen": self._seen}})
+        old = self._watcher
+        try:
+            self._watcher = await self.kv.watchall()
+        except Exception as e:  # still failing over: keep the old one, try again later
+            log.warning("KV watch not renewed yet", extra={"fields": {"error": repr(e)}})
+            return
+        self.restarts += 1
+        try:
+            await old.stop()
+        except Exception:  # its server is gone with it
+            pass
 
 
 async def kv_keys(kv: KeyValue, attempts: int = 3) -> list[str]:
@@ -178,6 +309,12 @@ class Responder:
         except asyncio.CancelledError:
             code, detail = Code.UNAVAILABLE.value, f"{self.service} is shutting down; retry"
             reply = envelope.error(code, detail)
+        except _BUS_TRANSIENT as e:  # not a bug: the bus (a stream's leader, a server) is failing over
+            code = Code.UNAVAILABLE.value
+            detail = (f"{self.service} could not reach the bus ({type(e).__name__}: {e}); a NATS server or stream "
+                      "leader is failing over: retry (a create with the same request_id is never done twice)")
+            log.warning("bus unavailable while handling", extra={"fields": {"op": op, "error": type(e).__name__}})
+            reply = envelope.error(code, detail, 1.0)
         except Exception as e:  # a bug: answer, log, keep serving
             code, detail = Code.INTERNAL.value, f"internal error in {self.service} ({type(e).__name__}: {e})"
             log.exception("handler failed", extra={"fields": {"op": op, "subject": msg.subject}})

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+# how many copies JetStream keeps of each stream, KV bucket and object store a service creates: 1
+# on one server, 3 on a cluster (set for every service of a cluster deployment)
+REPLICAS_ENV = "CORRAL_JS_REPLICAS"
 
 
 def nats_url(explicit: str | None = None) -> str:
@@ -26,3 +31,18 @@ def env_int(name: str, default: int) -> int:
 
 def state_dir(explicit: str | None = None) -> str:
     return explicit or os.environ.get("CORRAL_STATE_DIR") or "/var/lib/corral"
+
+
+def js_replicas() -> int:
+    n = env_int(REPLICAS_ENV, 1)
+    if not 1 <= n <= 5:
+        raise ValueError(f"{REPLICAS_ENV}={n}: JetStream keeps 1 to 5 replicas")
+    return n
+
+
+def node_id(explicit: str | None = None) -> str:
+    """A node's id as every service of that node spells it (node-agent, image loader): `--node`,
+    else $CORRAL_NODE, else the host name; lower-cased, anything but [a-z0-9-] turned into `-`
+    (it is a NATS subject token: `ip-10-0-1-2.ec2.internal` would otherwise be three)."""
+    raw = explicit or os.environ.get("CORRAL_NODE") or socket.gethostname()
+    return re.sub(r"[^a-z0-9-]", "-", raw.lower())

@@ -23,6 +23,7 @@ from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from . import config
 from .contract.errors import Internal, InvalidRequest, NotFound
 from .contract.images import CHUNK_BUCKET, DEFAULT_CHUNK, KV_IMAGES, KV_LAYERS, KV_TRACES, MAX_CHUNK, MIN_CHUNK, ImageManifest, LayerManifest, Trace
 
@@ -74,7 +75,7 @@ class ObjectStoreBackend(ChunkBackend):
                 self._os = await self.js.object_store(self.bucket)
             except Exception:
                 try:
-                    self._os = await self.js.create_object_store(self.bucket, ObjectStoreConfig(storage=StorageType.FILE))
+                    self._os = await self.js.create_object_store(self.bucket, ObjectStoreConfig(storage=StorageType.FILE, replicas=config.js_replicas()))
                 except Exception:
                     self._os = await self.js.object_store(self.bucket)
         return self._os
@@ -272,11 +273,10 @@ class Catalog:
         return self._opened(self._traces)
 
     async def image(self, name: str) -> ImageManifest:
+        from .bus import kv_get
+
         check_image_name(name)
-        try:
-            e = await self.images.get(name)
-        except Exception:
-            e = None
+        e = await kv_get(self.images, name, "the image catalog")
         if e is None or not e.value:
             names = await self.image_names()
             raise NotFound(f"unknown image {name!r}; available: {', '.join(names) or 'none'}")
@@ -300,10 +300,9 @@ class Catalog:
     async def layer(self, digest: str) -> LayerManifest:
         if not DIGEST.match(digest):
             raise InvalidRequest(f"invalid layer digest {digest!r}")
-        try:
-            e = await self.layers.get(digest)
-        except Exception:
-            e = None
+        from .bus import kv_get
+
+        e = await kv_get(self.layers, digest, "the layer catalog")
         if e is None or not e.value:
             raise NotFound(f"unknown layer {digest}")
         try:

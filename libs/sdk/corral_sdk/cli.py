@@ -66,6 +66,8 @@ def up(
     warm_pool: list[str] = typer.Option([], "--warm-pool", help="IMAGE=COUNT frozen sandboxes each node keeps ready for creates "
                                                                 "to claim (repeatable), e.g. --warm-pool busybox=4"),
     gateway_port: int = typer.Option(None, help="also serve the SandboxFusion API (`corral gateway`) on this port"),
+    cluster: int = typer.Option(1, help="nats-servers: 1, or a cluster of 3 or more (routes on loopback, JetStream at "
+                                        "replicas 3); the first listens on --nats-port"),
 ) -> None:
     """Start NATS, the scheduler and node-agents on this machine; stop them all on SIGINT/SIGTERM."""
     from corral_common.lifecycle import run_until_signalled
@@ -76,7 +78,10 @@ def up(
     if bad:
         console.print(f"[red]--warm-pool {bad[0]!r}:[/red] expected IMAGE=COUNT, e.g. busybox=4")
         raise typer.Exit(2)
-    stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats,
+    if cluster < 1 or cluster == 2:
+        console.print(f"[red]--cluster {cluster}:[/red] 1, or 3 or more (JetStream needs a majority of its servers up)")
+        raise typer.Exit(2)
+    stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats, cluster=cluster,
                   image_dir=image_dir, metrics_port=metrics_port, docker=docker,
                   node_args=[a for w in warm_pool for a in ("--warm-pool", w)], gateway_port=gateway_port)
 

@@ -86,7 +86,7 @@ class Querier:
             import nats
 
             try:
-                self._nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=1,
+                self._nc = await nats.connect(auth.servers(self.nats_url), connect_timeout=5, max_reconnect_attempts=1,
                                              **auth.connect_options(self.nats_url))
             except Exception as e:
                 raise CorralError(f"cannot connect to NATS at {self.nats_url}: {e}") from None

@@ -61,6 +61,11 @@ if TYPE_CHECKING:
     from .envs import Envs
     from .trajectory import Trajectories, Trajectory
 
+# how long a request nobody answered is asked again when the bus is a NATS cluster: a service
+# whose server failed reconnects to another within about a second (measured: tests/integration/
+# test_cluster.py); on one server nobody answering means nobody is there
+FAILOVER_GRACE_S = 3.0
+
 
 class AsyncClient:
     def __init__(self, nc: NATS, own: bool):
@@ -75,11 +80,16 @@ class AsyncClient:
             return cls(nc, own=False)
         url = config.nats_url(url)
         try:
-            conn = await nats.connect(url, name="corral-sdk", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+            conn = await nats.connect(auth.servers(url), name="corral-sdk", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
                                       connect_timeout=5, allow_reconnect=True, **auth.connect_options(url, creds))
         except Exception as e:
             raise Unavailable(f"cannot connect to NATS at {url}: {e}") from None
         return cls(conn, own=True)
+
+    def _clustered(self) -> bool:
+        """Whether the server this client talks to is one of a NATS cluster (its INFO says so)."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        return bool(info.get("cluster"))
 
     async def close(self) -> None:
         if self._own:
@@ -94,8 +104,20 @@ class AsyncClient:
     async def request(self, subject: str, body: msgspec.Struct | bytes, typ: type[R], timeout: float, sandbox_id: str | None = None) -> R:
         """One request; its success reply decoded as `typ`, an error reply raised as its CorralError."""
         payload = body if isinstance(body, bytes) else encoder.encode(body)
+        pause = 0.05
+        grace = time.monotonic() + (FAILOVER_GRACE_S if self._clustered() else 0.0)
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
+            while True:
+                try:
+                    msg = await self.nc.request(subject, payload, timeout=timeout)
+                    break
+                except NoRespondersError:
+                    # nobody got it, so asking again runs nothing twice: in a cluster, the service may
+                    # be moving to another server (its old one failed) and is back within a second
+                    if time.monotonic() + pause > grace:
+                        raise
+                    await asyncio.sleep(pause)
+                    pause *= 2
         except NoRespondersError:
             if sandbox_id:
                 raise NotFound(f"no node owns sandbox {sandbox_id!r}: it was destroyed, expired, or never existed") from None

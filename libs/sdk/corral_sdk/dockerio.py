@@ -32,7 +32,7 @@ def corral_name(docker_ref: str) -> str:
 
 async def _connect(nats_url: str | None) -> NATS:
     url = config.nats_url(nats_url)
-    return await nats.connect(url, **auth.connect_options(url))
+    return await nats.connect(auth.servers(url), **auth.connect_options(url))
 
 
 async def export_image(nats_url: str | None, name: str, ref: str | None = None) -> str:

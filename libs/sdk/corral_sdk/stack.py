@@ -19,7 +19,7 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
-from corral_common import auth, extras
+from corral_common import auth, config, extras
 from corral_common.contract import subjects
 from corral_common.contract.errors import Unavailable
 from corral_common.contract.messages import Heartbeat
@@ -60,6 +60,7 @@ class Stack:
     nodes: int = 1
     nats_port: int = 4222
     nats_url: str | None = None  # use an existing NATS instead of starting one
+    cluster: int = 1  # nats-servers to run: 1, or a cluster of 3 or more with JetStream at replicas 3
     image_dir: str | None = None
     metrics_port: int = 0  # 0: free ports; else scheduler on it, node i on it+1+i
     log_dir: str | None = None
@@ -77,11 +78,15 @@ class Stack:
     guard: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _guard_w: int | None = field(default=None, init=False, repr=False)  # the pipe end whose close tells the guard the owner is gone
     passwords: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # identity -> password (stackauth)
+    servers: list[stackauth.Server] = field(default_factory=list, init=False, repr=False)  # the nats-servers it runs
 
     @property
     def bus_url(self) -> str:
-        """The NATS URL without credentials (what services are given; each brings its own)."""
-        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+        """The NATS URL without credentials (what services are given; each brings its own): every
+        server of a cluster, comma-separated, as NATS clients take them."""
+        if self.nats_url:
+            return self.nats_url
+        return ",".join(f"nats://{s.listen}" for s in self.servers) or f"nats://127.0.0.1:{self.nats_port}"
 
     @property
     def url(self) -> str:
@@ -89,7 +94,13 @@ class Stack:
         when the stack runs its own NATS (which requires them)."""
         if self.nats_url or OPERATOR not in self.passwords:
             return self.bus_url
-        return f"nats://{OPERATOR}:{self.passwords[OPERATOR]}@127.0.0.1:{self.nats_port}"
+        return ",".join(f"nats://{OPERATOR}:{self.passwords[OPERATOR]}@{u.removeprefix('nats://')}" for u in self.bus_url.split(","))
+
+    @property
+    def js_replicas(self) -> int:
+        """The replicas of every stream, KV bucket and object store: 3 in a cluster (what a
+        production cluster runs: one server may fail without losing or stalling anything)."""
+        return 3 if len(self.servers) >= 3 else 1
 
     @property
     def creds(self) -> str:
@@ -110,6 +121,8 @@ class Stack:
         env = dict(os.environ)
         if identity is not None and self.passwords:
             env[auth.CREDS_ENV] = auth.creds_path(identity, self.data_dir)
+        if identity is not None and self.servers:
+            env[config.REPLICAS_ENV] = str(self.js_replicas)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         log.close()
         proc = Proc(name, p, metrics_url, argv, identity)
@@ -203,11 +216,7 @@ class Stack:
 
     async def _start_all(self, timeout: float) -> None:
         if self.nats_url is None:
-            store = os.path.join(self.data_dir, "nats")
-            self.passwords = stackauth.ensure_credentials(self.data_dir)
-            conf = stackauth.write_server_config(self.data_dir, f"127.0.0.1:{self.nats_port}", store)
-            self._start("nats-server", [nats_server_binary(), "-c", conf])
-            await self._wait_port("127.0.0.1", self.nats_port, timeout)
+            await self._start_nats(timeout)
         py = sys.executable
         img = ["--image-dir", self.image_dir] if self.image_dir else []
         port = self._mport(1)
@@ -249,6 +258,53 @@ class Stack:
                         f"{self.gateway_url}/metrics", "gateway")
             await self._wait_port("127.0.0.1", self.gateway_port, timeout)
 
+    def _nats_name(self, i: int) -> str:
+        return "nats-server" if self.cluster == 1 else f"nats-server-{i + 1}"
+
+    async def _start_nats(self, timeout: float) -> None:
+        """One nats-server, or a cluster of `cluster` routed to each other on loopback; then wait
+        until JetStream answers (in a cluster: its meta group has elected a leader)."""
+        if self.cluster == 2 or self.cluster < 1:
+            raise ValueError("a stack runs 1 nats-server or a cluster of 3 or more (JetStream needs a majority)")
+        store = os.path.join(self.data_dir, "nats")
+        self.passwords = stackauth.ensure_credentials(self.data_dir)
+        ports = [self.nats_port] + [free_port() for _ in range(self.cluster - 1)]
+        self.servers = [stackauth.Server(f"corral-{i + 1}", f"127.0.0.1:{port}", store if self.cluster == 1 else f"{store}/{i + 1}",
+                                         f"127.0.0.1:{free_port()}" if self.cluster > 1 else "")
+                        for i, port in enumerate(ports)]
+        for i, conf in enumerate(stackauth.write_server_config(self.data_dir, self.servers)):
+            self._start(self._nats_name(i), [nats_server_binary(), "-c", conf])
+        for port in ports:
+            await self._wait_port("127.0.0.1", port, timeout)
+        await self._wait_jetstream(timeout)
+
+    def kill_nats(self, i: int) -> None:
+        """SIGKILL nats-server `i` (0-based) of the cluster: a crashed server, for chaos tests."""
+        p = self.proc(self._nats_name(i)).popen
+        p.kill()
+        p.wait()
+
+    async def restart_nats(self, i: int, timeout: float = 60.0) -> None:
+        """Start nats-server `i` again after `kill_nats`, and wait until it serves."""
+        self.restart(self._nats_name(i))
+        await self._wait_port("127.0.0.1", int(self.servers[i].listen.rsplit(":", 1)[1]), timeout)
+
+    async def _wait_jetstream(self, timeout: float) -> None:
+        nc = await nats.connect(auth.servers(self.url), connect_timeout=5, **auth.connect_options(self.url))
+        try:
+            js = nc.jetstream()
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    await js.account_info()
+                    return
+                except Exception as e:  # no meta leader yet (a cluster elects one within seconds)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"JetStream not ready after {timeout:g}s: {e}") from None
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
     async def _wait_port(self, host: str, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -268,7 +324,7 @@ class Stack:
 
     async def _wait_request(self, subject: str, body: bytes, timeout: float) -> None:
         """Wait until `subject` answers `{"ok": true, ...}`."""
-        nc = await nats.connect(self.url, connect_timeout=5)
+        nc = await nats.connect(auth.servers(self.url), connect_timeout=5, **auth.connect_options(self.url))
         try:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -286,7 +342,7 @@ class Stack:
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready = every node-agent heartbeats and the scheduler answers `list`."""
-        nc = await nats.connect(self.url, connect_timeout=5)
+        nc = await nats.connect(auth.servers(self.url), connect_timeout=5, **auth.connect_options(self.url))
         seen: set[str] = set()
 
         async def on_hb(msg: Msg) -> None:

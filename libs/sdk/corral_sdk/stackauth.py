@@ -31,6 +31,7 @@ import json
 import os
 import secrets
 import signal
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from corral_common import auth, tenancy
@@ -47,6 +48,8 @@ OPERATOR = "admin"
 ALSO_PUBLISH = {"audit": ("image-loader",)}
 PROTECTED_STREAMS = ("CORRAL_AUDIT", "CORRAL_ALERTS", "CORRAL_EVENTS")
 SECRET_BUCKETS = (subjects.KV_ENVS,)
+CLUSTER = "corral"  # the cluster name of a stack's nats-servers (`corral up --cluster N`)
+ROUTE_USER = "route"  # what the servers of a cluster authenticate their routes to each other with
 
 
 def _wild(subject: str) -> str:
@@ -126,11 +129,23 @@ def _save_tenants(data_dir: str, table: dict[str, str]) -> None:
     _write_private(os.path.join(_auth_dir(data_dir), "tenants.json"), json.dumps(table, indent=1, sort_keys=True))
 
 
-def server_config(listen: str, store_dir: str, passwords: dict[str, str], tenant_passwords: dict[str, str],
-                  pid_file: str) -> str:
+@dataclass(frozen=True)
+class Server:
+    """One nats-server of the stack: its client listener, its JetStream store, and (in a
+    cluster) its route listener, which peers reach with the cluster's own route credentials."""
+    name: str
+    listen: str
+    store: str
+    cluster: str = ""
+
+
+def server_config(server: Server, peers: list[Server], passwords: dict[str, str], tenant_passwords: dict[str, str],
+                  pid_file: str, route_password: str = "") -> str:
     """nats-server configuration: the listener, 8 MB payloads (files.write and exec output travel
     base64/JSON-encoded in one message), JetStream, the CORRAL account with its users and its
-    export of the public subjects, and one account per tenant importing them."""
+    export of the public subjects, and one account per tenant importing them; in a cluster, the
+    route listener and the routes to every peer (routes authenticate too: an unauthenticated
+    route would be a way around every account permission)."""
     users = []
     for identity, password in passwords.items():
         if identity == EDGE:
@@ -160,38 +175,81 @@ def server_config(listen: str, store_dir: str, passwords: dict[str, str], tenant
                           "imports": [{"service": {"account": ACCOUNT, "subject": public}, "share": True},
                                       {"stream": {"account": ACCOUNT, "subject": subjects.TENANT_ALERTS_ALL}}]},
     }
-    return (f"listen: {json.dumps(listen)}\nmax_payload: 8MB\npid_file: {json.dumps(pid_file)}\n"
-            f"jetstream {{ store_dir: {json.dumps(store_dir)} }}\naccounts: {json.dumps(accounts, indent=1)}\n")
+    text = (f"server_name: {json.dumps(server.name)}\nlisten: {json.dumps(server.listen)}\nmax_payload: 8MB\n"
+            f"pid_file: {json.dumps(pid_file)}\njetstream {{ store_dir: {json.dumps(server.store)} }}\n")
+    if server.cluster:
+        routes = [f"nats://{ROUTE_USER}:{route_password}@{p.cluster}" for p in peers if p.name != server.name]
+        text += "cluster " + json.dumps({"name": CLUSTER, "listen": server.cluster, "routes": routes,
+                                         "authorization": {"user": ROUTE_USER, "password": route_password}}) + "\n"
+    return text + f"accounts: {json.dumps(accounts, indent=1)}\n"
 
 
-def write_server_config(data_dir: str, listen: str | None = None, store_dir: str | None = None) -> str:
-    """(Re)write `<data>/auth/nats.conf` from the identities and tenants on record; the listener
-    and store are remembered from the first write. Returns its path."""
+def _route_password(data_dir: str) -> str:
+    path = os.path.join(_auth_dir(data_dir), "cluster.secret")
+    try:
+        with open(path) as f:
+            if secret := f.read().strip():
+                return secret
+    except FileNotFoundError:
+        pass
+    secret = secrets.token_urlsafe(24)
+    _write_private(path, secret + "\n")
+    return secret
+
+
+def _saved_servers(data_dir: str) -> list[Server]:
+    where = os.path.join(_auth_dir(data_dir), "server.json")
+    try:
+        with open(where) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        raise NotFound(f"no corral stack has run with data dir {data_dir} (its {where} is missing)") from None
+    if "servers" not in saved:  # written by a single-server stack before clusters
+        return [Server("corral-1", saved["listen"], saved["store"])]
+    return [Server(**s) for s in saved["servers"]]
+
+
+def _conf_name(server: Server, n: int, ext: str) -> str:
+    return f"nats.{ext}" if n == 1 else f"{server.name}.{ext}"
+
+
+def write_server_config(data_dir: str, servers: list[Server] | None = None) -> list[str]:
+    """(Re)write each server's configuration (`<data>/auth/nats.conf`, or `<name>.conf` per server
+    of a cluster) from the identities and tenants on record; the servers are remembered from the
+    first write. Returns the paths, in the servers' order."""
     d = _auth_dir(data_dir)
-    where = os.path.join(d, "server.json")
-    if listen is None or store_dir is None:
-        try:
-            with open(where) as f:
-                saved = json.load(f)
-        except FileNotFoundError:
-            raise NotFound(f"no corral stack has run with data dir {data_dir} (its {where} is missing)") from None
-        listen, store_dir = saved["listen"], saved["store"]
+    if servers is None:
+        servers = _saved_servers(data_dir)
     else:
-        _write_private(where, json.dumps({"listen": listen, "store": store_dir}))
-    conf = os.path.join(d, "nats.conf")
-    _write_private(conf, server_config(listen, store_dir, ensure_credentials(data_dir), tenants(data_dir),
-                                       os.path.join(d, "nats.pid")))
-    return conf
+        _write_private(os.path.join(d, "server.json"), json.dumps({"servers": [asdict(s) for s in servers]}))
+    passwords, table = ensure_credentials(data_dir), tenants(data_dir)
+    route_password = _route_password(data_dir) if len(servers) > 1 else ""
+    paths = []
+    for server in servers:
+        conf = os.path.join(d, _conf_name(server, len(servers), "conf"))
+        _write_private(conf, server_config(server, servers, passwords, table, os.path.join(d, _conf_name(server, len(servers), "pid")),
+                                           route_password))
+        paths.append(conf)
+    return paths
 
 
 def reload(data_dir: str) -> bool:
-    """Have the running server take the configuration again (SIGHUP); False if none runs."""
+    """Have every running server of the stack take its configuration again (SIGHUP); False if
+    none runs."""
+    d = _auth_dir(data_dir)
     try:
-        with open(os.path.join(_auth_dir(data_dir), "nats.pid")) as f:
-            os.kill(int(f.read().strip()), signal.SIGHUP)
-        return True
-    except (FileNotFoundError, ProcessLookupError, ValueError):
+        servers = _saved_servers(data_dir)
+    except NotFound:
         return False
+    told = False
+    for server in servers:
+        try:
+            with open(os.path.join(d, _conf_name(server, len(servers), "pid"))) as f:
+                os.kill(int(f.read().strip()), signal.SIGHUP)
+            told = True
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    return told
 
 
 def add_tenant(data_dir: str, name: str) -> str:

@@ -44,7 +44,7 @@ def stop_order(name: str) -> int:
         return 0
     if name.startswith("loader-"):
         return 1
-    if name == "nats-server":
+    if name == "nats-server" or name.startswith("nats-server-"):
         return 3
     return 2
 

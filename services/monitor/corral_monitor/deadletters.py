@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from corral_common import metrics
+from corral_common import config, metrics
 from corral_common.contract import subjects
 
 log = logging.getLogger("corral.monitor.consumer")
@@ -28,7 +28,8 @@ class DeadLetters:
         self.js = js
 
     async def ensure(self) -> None:
-        cfg = StreamConfig(name=DEADLETTER_STREAM, subjects=[DEADLETTER_SUBJECT], storage=StorageType.FILE, max_age=30 * 86400)
+        cfg = StreamConfig(name=DEADLETTER_STREAM, subjects=[DEADLETTER_SUBJECT], storage=StorageType.FILE, max_age=30 * 86400,
+                           num_replicas=config.js_replicas())
         try:
             await self.js.add_stream(cfg)
         except BadRequestError:

@@ -1,10 +1,6 @@
 """`python -m corral_node_agent`: run one node-agent (the CLI's `corral node-agent` execs this)."""
 from __future__ import annotations
 
-import os
-import re
-import socket
-
 import typer
 
 from corral_common import config, logs
@@ -44,8 +40,7 @@ def main(
     file_events_burst: float = typer.Option(10000.0, help="file-activity audit events a sandbox may burst before the rate applies"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
-    node = node or os.environ.get("CORRAL_NODE") or socket.gethostname()
-    node = re.sub(r"[^a-z0-9-]", "-", node.lower())
+    node = config.node_id(node)
     sdir = config.state_dir(state_dir)
     logs.setup("node-agent", log_level, node=node)
     cfg = AgentConfig(

@@ -51,10 +51,7 @@ class TrajectoryLog:
     # ---------------------------------------------------------------- metadata
 
     async def get(self, tid: str) -> TrajMeta:
-        try:
-            e = await self.kv.get(tid)
-        except Exception:
-            e = None
+        e = await bus.kv_get(self.kv, tid, "the trajectory table")
         if e is None or not e.value:
             raise NotFound(f"unknown trajectory {tid!r}")
         return msgspec.json.decode(e.value, type=TrajMeta)

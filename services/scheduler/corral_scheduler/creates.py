@@ -53,6 +53,8 @@ class Creates:
         self.placements = placements
         self.admission = admission
         self.node_timeout_s = node_timeout_s
+        self._forgetting: set[asyncio.Task[None]] = set()
+        self._unanswered: set[str] = set()  # ids being placed that some node did not answer for in time
 
     async def on_create(self, msg: Msg) -> SandboxReply | None:
         spec = tenants.stamp(msg, bus.decode(msg.data, SandboxSpec))
@@ -83,16 +85,47 @@ class Creates:
             raise
         try:
             return await self._place(sid, spec, reply_to)
-        except BaseException:
+        except Exception as e:
+            unanswered = sid in self._unanswered or not isinstance(e, CorralError) or e.code in (Code.TIMEOUT, Code.UNAVAILABLE)
+            self._unanswered.discard(sid)
+            # a node may still make `sid` (it got the create, its answer was lost): fence the id
+            # first, so a retry under a new id never leaves two sandboxes for one request_id
+            fenced, held = await self.placements.fence(sid) if unanswered else (True, None)
+            if held is not None:
+                PLACEMENTS.labels(held.node).inc()
+                return Placed(held)  # it was made after all
+            if not fenced:
+                raise  # the bucket is failing over: the entry stays, and a retry waits for `sid`
+            # let a retry try again: at once if the bucket takes the delete, else (its stream is
+            # failing over) as soon as it does, while the retry waits in _existing
             try:
-                await self.kv_requests.delete(key)  # let a retry try again
+                await self.kv_requests.delete(key)
             except Exception as e:
-                logs.kv(log, logging.WARNING, "request entry not deleted: a retry waits for it to expire", request=key, error=repr(e))
+                logs.kv(log, logging.WARNING, "request entry not deleted yet; retrying in the background", request=key, error=repr(e))
+                task = asyncio.create_task(self._forget_request(key))
+                self._forgetting.add(task)
+                task.add_done_callback(self._forgetting.discard)
             raise
+
+    async def _forget_request(self, key: str, wait_s: float = 60.0, first_pause: float = 0.5) -> None:
+        deadline = time.monotonic() + wait_s
+        pause = first_pause
+        while True:
+            await asyncio.sleep(pause)
+            pause = 0.5
+            try:
+                await self.kv_requests.delete(key)
+                return
+            except Exception as e:
+                if time.monotonic() > deadline:
+                    logs.kv(log, logging.WARNING, "request entry not deleted: a retry waits for it to expire", request=key,
+                            error=repr(e))
+                    return
 
     async def _existing(self, key: str, request_id: str) -> SandboxInfo:
         """A retry of a request already seen: answer with the sandbox it made (or is making)."""
         deadline = time.monotonic() + self.node_timeout_s + 5
+        sid = ""
         while time.monotonic() < deadline:
             try:
                 e = await self.kv_requests.get(key)
@@ -100,10 +133,19 @@ class Creates:
                 e = None
             if e is None or not e.value:
                 raise Unavailable(f"an earlier attempt with request_id {request_id!r} failed; retry", retry_after_s=0.1)
-            info = await self.placements.lookup(e.value.decode())
+            sid = e.value.decode()
+            info = await self.placements.lookup(sid)
             if info is not None:
                 return info
             await asyncio.sleep(0.02)
+        # the attempt that took this request_id has had all its time: whatever became of it, fence
+        # its id; then either its sandbox exists after all, or a retry may start afresh
+        fenced, held = await self.placements.fence(sid) if sid else (False, None)
+        if held is not None:
+            return held
+        if fenced:
+            await self._forget_request(key, wait_s=5.0, first_pause=0.0)
+            raise Unavailable(f"an earlier attempt with request_id {request_id!r} failed; retry", retry_after_s=0.1)
         raise CorralError(f"request_id {request_id!r} is still being placed by another attempt", Code.TIMEOUT)
 
     async def _place(self, sid: str, spec: SandboxSpec, reply_to: str) -> Placed:
@@ -143,6 +185,8 @@ class Creates:
             return Placed(info, replied=r.replied)
         if timed_out and (held := await self._held_elsewhere(sid, "")) is not None:
             return Placed(held)  # a node that did not answer in time made it meanwhile
+        if timed_out:
+            self._unanswered.add(sid)
         raise placement.no_room("a sandbox", spec, alive, self.policy, tried, last, retry_after_s=1.0)
 
     async def _held_elsewhere(self, sid: str, refused_by: str) -> SandboxInfo | None:

@@ -5,16 +5,23 @@ admission and a lost node cost the same with 380,000 live sandboxes as with 10."
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from corral_common import bus
+from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import SandboxInfo
 
 from .quotas import JobTotals
 
 _info_decoder = msgspec.json.Decoder(SandboxInfo)
+log = logging.getLogger("corral.scheduler")
+# the placement of an id the scheduler gave up on: no node may claim it (claim.py in the node-agent
+# reads its empty `node` as "another node's"); not a SandboxInfo, so every reader skips it
+FENCE = b'{"node":"","fenced":true}'
 
 
 class Placements:
@@ -29,7 +36,7 @@ class Placements:
         # creates this replica is placing (set when the node's answer is recorded): the node may
         # have answered the client directly, whose next call must not be answered `not_found`
         self.placing: dict[str, asyncio.Event] = {}
-        self.watcher: KeyValue.KeyWatcher | None = None
+        self.watcher: bus.KVWatch | None = None
 
     def get(self, sid: str) -> SandboxInfo | None:
         return self.placed.get(sid)
@@ -74,12 +81,7 @@ class Placements:
         info = self.placed.get(sid)
         if info is not None:
             return info
-        try:
-            e = await self.kv.get(sid)
-        except KeyNotFoundError:
-            return None
-        except Exception:
-            return None
+        e = await bus.kv_get(self.kv, sid, "the placement table")
         if e is None or not e.value:
             return None
         try:
@@ -97,17 +99,39 @@ class Placements:
         except Exception:
             return None
 
+    async def fence(self, sid: str) -> tuple[bool, SandboxInfo | None]:
+        """Make sure no node can make `sid` from now on, for a create the scheduler gives up on:
+        write a placement that names no node (nodes claim an id by creating its key, so each
+        later claim finds it taken, undoes its sandbox and answers `conflict`). Returns
+        (True, None) once fenced, (True, the sandbox) if a node had claimed it first (it exists),
+        (False, None) if the bucket could not be written (a retry must then wait for `sid`)."""
+        try:
+            await self.kv.create(sid, FENCE)
+            return True, None
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as e:
+            log.warning("placement not fenced", extra={"fields": {"sandbox": sid, "error": repr(e)}})
+            return False, None
+        try:
+            info = await self.lookup(sid)
+        except CorralError:
+            return False, None
+        if info is not None and info.state in ("running", "paused"):
+            self.set(info)
+            return True, info
+        return True, None
+
     async def delete(self, sid: str) -> None:
         await self.kv.delete(sid)
 
     async def start(self) -> None:
-        self.watcher = await self.kv.watchall()
+        self.watcher = bus.KVWatch(self.kv)
+        await self.watcher.start()
 
     async def watch(self) -> None:
         assert self.watcher is not None
         async for e in self.watcher:
-            if e is None:  # end of the initial values
-                continue
             if e.operation in ("DEL", "PURGE") or not e.value:
                 self.unplace(e.key)
                 continue
@@ -117,9 +141,5 @@ class Placements:
                 continue
 
     async def stop(self) -> None:
-        if self.watcher is None:
-            return
-        try:
+        if self.watcher is not None:
             await self.watcher.stop()
-        except Exception:  # shutting down: a watcher that fails to stop is dropped with the connection
-            pass

@@ -96,17 +96,16 @@ class Admission:
         self.fair_share_below_free = fair_share_below_free
         self.quotas: dict[str, JobQuota] = {}
         self.pending: dict[str, Usage] = {}
-        self.watcher: KeyValue.KeyWatcher | None = None
+        self.watcher: bus.KVWatch | None = None
 
     async def start(self) -> None:
-        self.watcher = await self.kv.watchall()
+        self.watcher = bus.KVWatch(self.kv)
+        await self.watcher.start()
 
     async def watch(self) -> None:
         """Every replica enforces the quotas any replica sets."""
         assert self.watcher is not None
         async for e in self.watcher:
-            if e is None:
-                continue
             if e.operation in ("DEL", "PURGE") or not e.value:
                 self.quotas.pop(e.key, None)
                 continue

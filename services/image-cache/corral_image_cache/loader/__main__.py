@@ -37,6 +37,7 @@ def main(
     fuse_threads: int = typer.Option(64, help="libfuse worker threads, also the kernel's limit of background FUSE requests"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
+    node = config.node_id(node)  # spelled as its node-agent spells it
     logs.setup("loader", log_level, node=node)
     from .service import Loader, LoaderConfig
 
