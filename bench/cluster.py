@@ -96,7 +96,11 @@ async def _recovery(stack: Stack, c: AsyncClient) -> dict[str, float]:
     name = stack.servers[victim].name
     js = c.nc.jetstream()
     while True:
-        infos = await js.streams_info()
+        try:
+            infos = await js.streams_info()
+        except Exception:  # the meta leader is being elected again as the server rejoins: ask again
+            await asyncio.sleep(0.1)
+            continue
         if all(s.cluster and (s.cluster.leader == name or any(p.name == name and p.current for p in s.cluster.replicas or []))
                for s in infos):
             break
