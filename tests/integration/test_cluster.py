@@ -1,7 +1,8 @@
 """corral on a 3-server NATS cluster (`corral up --cluster 3`): JetStream keeps 3 replicas of
 everything, and a nats-server killed with SIGKILL under load costs nothing: every create is
 answered (a sandbox, or a clear error that a retry with the same request_id settles without a
-second sandbox), every exec answered is audited exactly once, and the killed server rejoins.
+second sandbox), every exec answered is audited exactly once, every trajectory step runs exactly
+once (a step asked again is answered from the log), and the killed server rejoins.
 
 What stays for the multi-host part of the cluster issue: hosts as network namespaces, a killed
 host, a cut link (tests/integration has no such topology yet)."""
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 CREATES = 40
 EXECS_PER_SANDBOX = 25
+TRAJ_STEPS = 20
 
 
 async def _rows(c: AsyncClient, sql: str) -> list[list[object]]:
@@ -65,6 +67,22 @@ async def test_a_killed_nats_server_loses_nothing(cluster):
                     errors.append(e)
                 await asyncio.sleep(0.05)
 
+        steps_done: list[int] = []
+
+        async def trajectory_steps(t) -> None:
+            """Each step appends its number to a file; a step whose answer was lost is asked
+            again at the same step, which the node answers from its log instead of running it."""
+            for i in range(TRAJ_STEPS):
+                for attempt in range(20):
+                    try:
+                        r = await t.exec(f"echo {i} >> /tmp/steps; wc -l < /tmp/steps", timeout_s=20)
+                        assert r.exit_code == 0, r
+                        steps_done.append(i)
+                        break
+                    except (Timeout, Unavailable):
+                        await asyncio.sleep(0.5)
+                await asyncio.sleep(0.05)
+
         async def create(i: int) -> tuple[str, object]:
             spec = SandboxSpec(image="busybox", cpu=0.1, memory_mb=64, job=job, request_id=f"{job}-{i}")
             try:
@@ -80,8 +98,10 @@ async def test_a_killed_nats_server_loses_nothing(cluster):
             await cluster.restart_nats(0)
             return time.monotonic() - t0
 
+        traj = c.trajectory(f"{job}-traj", image="busybox", cpu=0.1, memory_mb=64, job=job)
+        await traj.open()
         results = await asyncio.gather(*(create(i) for i in range(CREATES)), *(exec_stream(sb, w) for w, sb in enumerate(workers)),
-                                       chaos())
+                                       trajectory_steps(traj), chaos())
         created = list(results[:CREATES])
         failed = [(rid, o) for rid, o in created if isinstance(o, BaseException)]
         print(f"chaos: {len(failed)} creates failed {failed[:3]}, {len(errors)} exec errors {errors[:3]}, "
@@ -100,10 +120,18 @@ async def test_a_killed_nats_server_loses_nothing(cluster):
         listed = await c.list(job=job)
         ids = [s.id for s in listed]
         assert len(ids) == len(set(ids)), "a sandbox listed twice"
-        assert set(ids) == ok_ids | {w.id for w in workers}, (set(ids) ^ (ok_ids | {w.id for w in workers}))
+        assert traj.sandbox is not None
+        mine = ok_ids | {w.id for w in workers} | {traj.sandbox.id}
+        assert set(ids) == mine, set(ids) ^ mine
         assert answered, errors
         for cmd, out in answered.items():
             assert out == cmd.removeprefix("echo ") + "\n", (cmd, out)
+
+        # every trajectory step ran exactly once: none lost, none run again by a retry
+        assert steps_done == list(range(TRAJ_STEPS)), steps_done
+        r = await traj.sandbox.exec("cat /tmp/steps")
+        assert r.stdout.split() == [str(i) for i in range(TRAJ_STEPS)], r.stdout
+        await traj.finish(delete_log=True)
 
         # every exec that was answered is in ClickHouse exactly once (none lost, none twice)
         deadline = time.monotonic() + 90

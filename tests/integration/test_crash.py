@@ -263,7 +263,9 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
         call.cancel()
-        left = set(os.listdir(notes))  # creates the kill interrupted (their claims are in KV)
+        # creates the kill interrupted (their claims are in KV); a note the kill caught while it was
+        # being written is still `<id>.tmp` (notes are written before the claim, so it has none)
+        left = {name.removesuffix(".tmp") for name in os.listdir(notes)}
         assert left and left <= set(ids), left
 
         # and two notes planted as a predecessor killed between its claim and its create would

@@ -50,17 +50,16 @@ async def connect(url: str, name: str, **kw: Any) -> NATS:
     )
 
 
-async def _while_jetstream_forms(op: Callable[[], Awaitable[T]], what: str, wait_s: float = 60.0) -> T:
-    """`op`, retried while JetStream cannot place it yet: a cluster that is still electing its
-    meta leader, or has too few peers up for the replicas asked for, answers 503 or not at all."""
-    from nats.errors import TimeoutError as NatsTimeout
-    from nats.js.errors import ServiceUnavailableError
-
+async def while_jetstream_recovers(op: Callable[[], Awaitable[T]], what: str, wait_s: float = 60.0) -> T:
+    """`op`, retried while JetStream cannot do it yet: a cluster still electing its meta leader or
+    a stream's leader, or with too few peers up for the replicas asked for, answers 503 or not at
+    all. `op` must be safe to repeat (a publish carries a Nats-Msg-Id, so a stored message whose
+    acknowledgement was lost is not stored twice)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return await op()
-        except (ServiceUnavailableError, NatsTimeout) as e:
+        except _BUS_TRANSIENT as e:
             if time.monotonic() > deadline:
                 raise
             log.info("JetStream cannot create %s yet (%s); retrying", what, e)
@@ -77,7 +76,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
             except BadRequestError:
                 await js.update_stream(cfg)
 
-        await _while_jetstream_forms(put, f"stream {name}")
+        await while_jetstream_recovers(put, f"stream {name}")
 
 
 async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None, history: int = 1) -> KeyValue:
@@ -86,7 +85,7 @@ async def ensure_kv(js: JetStreamContext, bucket: str, ttl: float | None = None,
     except Exception:  # not there yet (or unreadable): creating it below raises the real error
         pass
     try:
-        return await _while_jetstream_forms(
+        return await while_jetstream_recovers(
             lambda: js.create_key_value(KeyValueConfig(bucket=bucket, history=history, ttl=ttl, replicas=config.js_replicas())),
             f"KV bucket {bucket}")
     except BadRequestError:

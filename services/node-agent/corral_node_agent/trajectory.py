@@ -30,6 +30,12 @@ from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec
 from corral_common.contract.traj import bare, input_hash
 
 log = logging.getLogger("corral.node.traj")
+# how long a step that has run keeps trying to store its log entry while JetStream fails over
+# (a stream leader election takes seconds); past it the step's result is answered unlogged
+RECORD_WAIT_S = 30.0
+# how far a trajectory's metadata may trail its log before a step is refused as skipping steps
+# (each step in between is looked up in the log; a client's step far ahead is refused at once)
+LAG_CHECK_STEPS = 16
 
 
 def describe(req: ExecRequest) -> str:
@@ -152,7 +158,11 @@ class TrajectoryLog:
             if logged is not None:
                 return logged
             result = await run()
-            meta = await self.record(req, sandbox_id, node, result)
+            try:
+                meta = await self.record(req, sandbox_id, node, result)
+            except Exception as e:  # the bus stayed down past the retries: the caller still gets what ran
+                log.error("trajectory step ran but is not logged", extra={"fields": {"trajectory": tid, "step": step, "error": repr(e)}})
+                return result
             if meta is not None and self.snapshot_due(meta, step):
                 await self.add_snapshot(tid, step, await snapshot())
             return result
@@ -175,6 +185,11 @@ class TrajectoryLog:
         if meta is not None and meta.spec.tenant != spec.tenant:
             raise Forbidden(f"trajectory {tid!r} belongs to another tenant")
         last = meta.last_step if meta else -1
+        if meta is not None and last + 1 < step <= last + 1 + LAG_CHECK_STEPS and await self._logged(tid, last + 1, step - 1):
+            # the log has the steps in between: the metadata fell behind it (a step that ran while
+            # its bucket failed over), and the log decides
+            meta.last_step = last = step - 1
+            await self.put(meta)
         if step > last + 1:
             raise InvalidRequest(
                 f"step {step} of trajectory {tid!r} skips steps {last + 1}..{step - 1} "
@@ -201,6 +216,13 @@ class TrajectoryLog:
             await self.truncate(tid, step)
         return None
 
+    async def _logged(self, tid: str, first: int, last: int) -> bool:
+        """Whether every step first..last has its entry in the log."""
+        for s in range(first, last + 1):
+            if await self.entry(tid, s) is None:
+                return False
+        return True
+
     async def truncate(self, tid: str, step: int) -> None:
         meta = await self.get(tid)
         for s in range(step, meta.last_step + 1):
@@ -217,14 +239,18 @@ class TrajectoryLog:
         assert step is not None
         entry = TrajEntry(trajectory=tid, step=step, input_hash=input_hash(req), request=bare(req), result=result,
                           sandbox_id=sandbox_id, ts=time.time())
-        await self.js.publish(subjects.traj_entry(tid, step), encoder.encode(entry))
-        meta = await self.maybe(tid)
+        # the step has run: its entry must be stored even while a stream fails over, or a retry of
+        # the step would run it again (the message id keeps a stored entry whose ack was lost single)
+        data, msg_id = encoder.encode(entry), f"{tid}:{step}:{entry.input_hash}:{entry.ts}"
+        await bus.while_jetstream_recovers(lambda: self.js.publish(subjects.traj_entry(tid, step), data, headers={"Nats-Msg-Id": msg_id}),
+                                           f"trajectory {tid} step {step}", wait_s=RECORD_WAIT_S)
+        meta = await self.maybe(tid)  # kv_get: retried while the bucket fails over
         if meta is None:
             return None  # deleted while the step ran
         if step > meta.last_step:
             meta.last_step = step
         meta.sandbox_id, meta.node = sandbox_id, node
-        await self.put(meta)
+        await bus.while_jetstream_recovers(lambda: self.put(meta), f"trajectory {tid}", wait_s=RECORD_WAIT_S)
         return meta
 
     def snapshot_due(self, meta: TrajMeta, step: int) -> bool:
