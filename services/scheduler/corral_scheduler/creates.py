@@ -140,7 +140,8 @@ class Creates:
             await asyncio.sleep(0.02)
         # the attempt that took this request_id has had all its time: whatever became of it, fence
         # its id; then either its sandbox exists after all, or a retry may start afresh
-        fenced, held = await self.placements.fence(sid) if sid else (False, None)
+        # (not while this replica still places it: that attempt ends on its own)
+        fenced, held = await self.placements.fence(sid) if sid and sid not in self.placements.placing else (False, None)
         if held is not None:
             return held
         if fenced:

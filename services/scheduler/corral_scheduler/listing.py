@@ -17,6 +17,9 @@ from .placements import Placements
 from .registry import Registry
 
 ORPHAN_CONCURRENCY = 512  # decisions in flight; beyond, calls wait their turn in the queue
+# when a call on a sandbox placed on a live node is looked at again, in case the sandbox was
+# destroyed just before (its placement gone from the bucket, not yet from this replica's table)
+RECHECK_AFTER_S = (0.5, 2.5)
 
 
 class Listing:
@@ -62,6 +65,20 @@ class Listing:
         async with self.orphan_slots:
             await self._decide(msg)
 
+    def _recheck(self, msg: Msg, sid: str, n: int) -> None:
+        """A timer, not a task per call: calls on live sandboxes are the common case."""
+        p = self.placements
+        if p.get(sid) is None and sid not in p.placing and sid not in p.lost_recent:
+            t = asyncio.create_task(self._answer_if_gone(msg, sid))
+            self.orphan_tasks.add(t)
+            t.add_done_callback(self.orphan_tasks.discard)
+        elif n + 1 < len(RECHECK_AFTER_S):
+            asyncio.get_running_loop().call_later(RECHECK_AFTER_S[n + 1] - RECHECK_AFTER_S[n], self._recheck, msg, sid, n + 1)
+
+    async def _answer_if_gone(self, msg: Msg, sid: str) -> None:
+        if await self.placements.in_kv(sid) is False:
+            await self.nc.publish(msg.reply, error("not_found", f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"))
+
     async def _decide(self, msg: Msg) -> None:
         """Answer `not_found` only once sure that no live node will answer."""
         sid = msg.subject.split(".")[3]
@@ -94,7 +111,11 @@ class Listing:
                 "not_found", f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"))
             return
         if self.registry.is_alive(node):
-            return  # owned by a live node: it answers
+            # owned by a live node: it answers. Unless the sandbox was destroyed an instant ago and
+            # its placement's delete is still on the way to this replica's watch: look again later
+            if info is not None:
+                asyncio.get_running_loop().call_later(RECHECK_AFTER_S[0], self._recheck, msg, sid, 0)
+            return
         # the node looks lost, but it may only have been paused or slow and be answering right
         # now, its next heartbeat on the way: give it one heartbeat interval before saying no
         await asyncio.sleep(min(max(self.registry.interval(node), 0.2), self.stale_after_s))
