@@ -5,6 +5,9 @@ and its overlay root (fd 5), which root on the host reaches through /proc (see t
 substrate's docstring)."""
 from __future__ import annotations
 
+import json
+import os
+
 
 def init_pid(sdir: str) -> int:
     """The sandbox's init, as runc wrote it into the state dir."""
@@ -36,3 +39,18 @@ def root_mount(sdir: str) -> tuple[list[str], dict[str, str]]:
                 sup[k] = v.encode().decode("unicode_escape")
             return pre.split()[5].split(","), sup
     raise AssertionError(f"no overlay root in the mount namespace of the sandbox at {sdir}")
+
+
+def lowers(sdir: str) -> list[str]:
+    """The node's mounts of the sandbox's image layers (its record names them; the overlay's own
+    options name only the idmapped clones it was given, /proc/self/fd paths)."""
+    with open(f"{sdir}/sandbox.json") as f:
+        layers = json.load(f)["layers"]
+    node_dir = os.path.dirname(os.path.dirname(sdir))
+    return [f"{node_dir}/layers/{d[len('sha256-'):][:24]}" for d in layers]
+
+
+def uid_base(sdir: str) -> int:
+    """The host uid of the sandbox's root (its user namespace's range)."""
+    with open(f"{sdir}/uid-base") as f:
+        return int(f.read())

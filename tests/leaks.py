@@ -102,9 +102,26 @@ def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
         "mounts": mounts_under(state + "/"),
         "cgroups": cgroups_under(cgroup_parent(data_dir, node)),
         "runc": runc_containers(f"{state}/runc"),
+        "uid_ranges": uid_ranges_of(sdir),
     }
+
+
+UID_CLAIMS = "/run/corral/uid-ranges"  # services/node-agent .../userns.py CLAIMS_DIR
+
+
+def uid_ranges_of(owner: str) -> list[int]:
+    """Host uid ranges (their bases) the node-agent whose sandboxes live in `owner` still claims."""
+    out = []
+    for name in sorted(os.listdir(UID_CLAIMS)) if os.path.isdir(UID_CLAIMS) else []:
+        try:
+            with open(f"{UID_CLAIMS}/{name}") as f:
+                if f.readline().strip() == os.path.abspath(owner):
+                    out.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def assert_clean(data_dir: str, node: str) -> None:
     left = node_leftovers(data_dir, node)
-    assert left == {"sandbox_dirs": [], "mounts": [], "cgroups": [], "runc": []}, left
+    assert left == {"sandbox_dirs": [], "mounts": [], "cgroups": [], "runc": [], "uid_ranges": []}, left

@@ -15,7 +15,8 @@ from corral_common.contract import subjects
 from corral_sdk import AsyncClient
 
 from ..conftest import make_stack, running_stack
-from ..leaks import assert_clean, cgroup_parent, cgroups_under, mounts_under
+from ..hostview import uid_base
+from ..leaks import UID_CLAIMS, assert_clean, cgroup_parent, cgroups_under, mounts_under, uid_ranges_of
 
 
 async def _wait_node(url: str, node: str, timeout: float = 30) -> None:
@@ -43,6 +44,7 @@ async def test_kill9_node_agent_then_restart():
         await keep.files.write("/state.txt", "before crash")
         await keep.exec("sleep 600 &")
         short = await c.create(image="busybox", cpu=0.1, memory_mb=32, ttl_s=3)
+        keep_base, short_base = uid_base(f"{sdir}/{keep.id}"), uid_base(f"{sdir}/{short.id}")
 
         agent = stack.proc(node).popen
         os.kill(agent.pid, signal.SIGKILL)
@@ -54,6 +56,10 @@ async def test_kill9_node_agent_then_restart():
         subprocess.run(["mount", "-t", "tmpfs", "tmpfs", f"{fake}/rw"], check=True)
         parent = cgroup_parent(stack.data_dir, node)
         os.makedirs(f"/sys/fs/cgroup/pids{parent}/sb-deadbeef0000", exist_ok=True)
+        # and a host uid range it claimed for a sandbox it never got to make
+        stale = _free_base()
+        with open(f"{UID_CLAIMS}/{stale}", "w") as f:
+            f.write(f"{sdir}\nsb-feedface0000\n")
         await asyncio.sleep(3.5)  # `short` expires while its agent is down
 
         nc = await nats.connect(stack.url)
@@ -85,6 +91,12 @@ async def test_kill9_node_agent_then_restart():
             await asyncio.sleep(0.1)
         assert any(e.get("sandbox_id") == short.id and e.get("kind") == "destroyed" for _, e in got)
         assert {i.id for i in await c.list()} == {keep.id}
+        # the adopted sandbox keeps its range (and the files API writes as its root); the expired
+        # one's and the stale claim are released
+        assert uid_ranges_of(sdir) == [keep_base], (uid_ranges_of(sdir), keep_base, short_base, stale)
+        await keep.files.write("/after.txt", "after")
+        r = await keep.exec("stat -c %u /after.txt; cat /proc/self/uid_map")
+        assert r.stdout.split()[:3] == ["0", "0", str(keep_base)], r
 
         await keep.destroy()
         await nc.close()
@@ -343,3 +355,9 @@ async def test_batch_claims_of_an_agent_killed_mid_batch_are_removed():
         await kv.delete(taken)
         await c.close()
         await nc.close()
+
+
+def _free_base() -> int:
+    """A host uid range base no claim holds (services/node-agent .../userns.py's layout)."""
+    taken = set(os.listdir(UID_CLAIMS))
+    return next(b for b in range(0x6FFF0000 - 65536, 0x80000, -65536) if str(b) not in taken)

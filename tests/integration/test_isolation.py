@@ -249,6 +249,9 @@ async def test_writes_stay_in_the_upper(stack, client, sandbox):
     # path in the state dir, so no sandbox (or warm-pool) id
     assert upper.startswith("/proc/self/fd/"), upper
     upper = f"{hostview.rw(sdir)}/upper"
+    # the layers too: idmapped clones of the node's layer mounts (the sandbox's root is not host root)
+    assert lowers and all(d.startswith("/proc/self/fd/") for d in lowers), lowers
+    lowers = hostview.lowers(sdir)
     assert lowers and all(os.path.isdir(d) for d in lowers), lowers
     before = {d: tree_fingerprint(d) for d in lowers}
     passwd_lower = next(f"{d}/etc/passwd" for d in lowers if os.path.exists(f"{d}/etc/passwd"))
@@ -409,7 +412,7 @@ async def test_no_capabilities_no_new_privs_seccomp(sandbox):
         assert int(f.get("Seccomp_filters", "1")) >= 1
 
 
-async def test_seccomp_blocks_mount_and_namespaces(sandbox):
+async def test_seccomp_blocks_mount_and_namespaces(stack, sandbox):
     attempts = {
         "mount": "mount -t tmpfs x /mnt",
         "bind mount": "mount --bind /tmp /mnt",
@@ -434,7 +437,10 @@ async def test_seccomp_blocks_mount_and_namespaces(sandbox):
     assert "Operation not permitted" in r.stderr, r
     r = await ok(sandbox, "grep -c ' /mnt ' /proc/mounts || true; readlink /proc/self/ns/user")
     assert r.stdout.split()[0] == "0", r
-    assert r.stdout.split()[1] == os.readlink("/proc/self/ns/user"), "no new user namespace may exist"
+    # the sandbox's own user namespace (made by the agent), never one made inside it
+    init = hostview.init_pid(sandbox_dir(stack, sandbox))
+    assert r.stdout.split()[1] == os.readlink(f"/proc/{init}/ns/user") != os.readlink("/proc/self/ns/user"), \
+        "no new user namespace may exist"
 
 
 async def test_seccomp_denies_by_default(sandbox):
@@ -537,9 +543,11 @@ async def test_agent_cannot_read_signal_or_forge_harness_commands(sandbox):
     """A harness command (exec harness=True) runs as another uid: the agent's capability-less root
     can neither read its fds, memory or environment, nor write into its output, nor signal it; the
     same attempts on one of its own processes all succeed (so each check can see a leak)."""
-    own = asyncio.ensure_future(sandbox.exec("sleep 4.4321; echo agent-done", timeout_s=30))
+    # stdin and stdout are pipes made inside the sandbox, so the agent's own are its to open: the
+    # pipes the node-agent hands an exec belong to host root, out of reach of every sandbox uid
+    own = asyncio.ensure_future(sandbox.exec("true | sleep 4.4321 | cat; echo agent-done", timeout_s=30))
     assert await _reach(sandbox, "sleep 4.4321") == ALL_LEAKS
-    harness = asyncio.ensure_future(sandbox.exec("sleep 4.4322; echo harness-done", harness=True, timeout_s=30))
+    harness = asyncio.ensure_future(sandbox.exec("true | sleep 4.4322 | cat; echo harness-done", harness=True, timeout_s=30))
     assert await _reach(sandbox, "sleep 4.4322") == set()
     r = await harness
     assert (r.exit_code, r.stdout) == (0, "harness-done\n"), r

@@ -465,6 +465,24 @@ async def test_isolation_network_files_caps(env, substrate):
             assert host_thing not in r.stdout, (host_thing, r.stdout)
 
 
+@pytest.mark.parametrize("substrate", ["container", "function", "function-slots"])
+async def test_sandbox_root_is_not_host_root(env, substrate):
+    """Container sandboxes and function calls (warm and in slots) run in a user namespace over a
+    host uid range of their own (docker: whatever the daemon does, userns-remap is its setting);
+    the files they make are their root's, what the harness runs is 64222 inside that range."""
+    async with target(env, substrate) as t:
+        r = await ok(t, "id -u; cat /proc/self/uid_map; echo x > /tmp/f && stat -c %u /tmp/f")
+        uid, line, owner = r.stdout.splitlines()
+        inside, base, count = (int(x) for x in line.split())
+        assert (uid, inside, count, owner) == ("0", 0, 65536, "0"), r
+        assert base >= 0x80000, f"sandbox root is host uid {base}"
+        r = await ok(t, "id -u; cat /proc/self/uid_map", harness=True)
+        assert r.stdout.splitlines()[0] == "64222", r
+        # the same range for the sandbox that stays; a function call's next run is another sandbox
+        again = int(r.stdout.split()[2])
+        assert again == base if t.sandbox is not None else again >= 0x80000, r
+
+
 @pytest.mark.parametrize("substrate", ["docker", "function", "function-slots"])
 async def test_writes_do_not_reach_the_image(env, substrate):
     async with target(env, substrate) as t:

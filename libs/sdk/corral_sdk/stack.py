@@ -113,7 +113,8 @@ class Stack:
 
     def _log(self, name: str) -> IO[bytes]:
         d = self.log_dir or os.path.join(self.data_dir, "logs")
-        os.makedirs(d, exist_ok=True)
+        # 0700: the data dir is searchable by sandbox uids (a node-agent's user namespaces)
+        os.makedirs(d, mode=0o700, exist_ok=True)
         return open(os.path.join(d, f"{name}.log"), "ab")
 
     def _start(self, name: str, argv: list[str], metrics_url: str = "", identity: str | None = None) -> Proc:

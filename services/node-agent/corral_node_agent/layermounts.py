@@ -36,6 +36,9 @@ class LayerMounts:
         self.lock = asyncio.Lock()
         self.loader_timeout_s = loader_timeout_s
         os.makedirs(mount_root, exist_ok=True)
+        # the state dir above is searchable by sandbox uids (userns.make_traversable); the layers
+        # (other tenants' snapshots among them) are reached by sandboxes only through their overlay
+        os.chmod(mount_root, 0o700)
 
     def _dir(self, digest: str) -> str:
         return os.path.join(self.root, digest[len("sha256-"):][:24])

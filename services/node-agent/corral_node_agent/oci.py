@@ -40,8 +40,9 @@ WATCHED_SYSCALLS: list[dict[str, Any]] = [
     {"names": ["sendto"], "args": [{"index": 4, "value": 0, "op": "SCMP_CMP_NE"}]},
     {"names": ["kill", "tkill", "pidfd_send_signal"], "args": [{"index": 1, "value": 0, "op": "SCMP_CMP_NE"}]},
     {"names": ["tgkill"], "args": [{"index": 2, "value": 0, "op": "SCMP_CMP_NE"}]},
-    # inotify instances count per host uid (sandbox root is host root): the agent caps each
-    # sandbox's (audit/seccomp.py INOTIFY_PER_SANDBOX) so none can use up the host's budget
+    # inotify instances count per uid: the agent caps each sandbox's (audit/seccomp.py
+    # INOTIFY_PER_SANDBOX), also where a sandbox has no user namespace (CORRAL_USERNS=off) and
+    # its root's budget would be host root's
     {"names": ["inotify_init", "inotify_init1"]},
 ]
 
@@ -201,8 +202,8 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
 
 # Per-process limits every sandbox process starts with (and cannot raise: no CAP_SYS_RESOURCE):
 # no core dumps (a crashing process would write its memory, secrets included, into the upper),
-# a bounded number of open files. RLIMIT_NPROC is not set: it counts per uid, and sandbox root is
-# host root.
+# a bounded number of open files (init/corral-init.c lowers the same two itself). RLIMIT_NPROC
+# is not set: pids.max bounds a sandbox's processes, whichever uid runs them.
 NOFILE = 65536
 
 
@@ -237,6 +238,8 @@ READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 # not root, so the agent's capability-less root cannot read, signal or forge them. corral-init
 # keeps INIT_CAPS to switch to it and drops every capability in each child before exec.
 HARNESS_ID = 64222
+#: uids (and gids) 0..USERNS_RANGE-1 of a sandbox with a user namespace (userns.py RANGE)
+USERNS_RANGE = 65536
 INIT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"]
 
 
@@ -253,10 +256,20 @@ def config(
     cpu_period_us: int = 100_000,
     seccomp_listener: str | None = None,
     init_caps: bool = False,
+    userns: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """`init_caps`: the process is corral-init, which keeps INIT_CAPS (only) for its children to drop."""
+    """`init_caps`: the process is corral-init, which keeps INIT_CAPS (only) for its children to drop.
+    `userns`: (path, host uid base) of the user namespace to join (userns.py); without it the
+    sandbox's root is host root."""
     caps = INIT_CAPS if init_caps else []
     mem = memory_mb * 1024 * 1024
+    namespaces: list[dict[str, Any]] = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")]
+    mappings: dict[str, Any] = {}
+    if userns is not None:
+        path, base = userns
+        mapping = [{"containerID": 0, "hostID": base, "size": USERNS_RANGE}]
+        namespaces.insert(0, {"type": "user", "path": path})
+        mappings = {"uidMappings": mapping, "gidMappings": mapping}
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -267,7 +280,10 @@ def config(
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "inheritable": [], "permitted": caps, "ambient": []},
             "noNewPrivileges": True,
-            "rlimits": rlimits(),
+            # runc's prlimit on a process in a user namespace it did not make needs
+            # CAP_SYS_RESOURCE over it: there corral-init lowers them itself (and one-shot runs
+            # inherit the agent's, core dumps off: ContainerSubstrate.start)
+            **({} if userns else {"rlimits": rlimits()}),
         },
         "root": {"path": "rootfs", "readonly": False},
         "hostname": hostname,
@@ -283,7 +299,8 @@ def config(
             {"destination": "/.corral/io", "type": "bind", "source": io_dir, "options": ["bind", "ro", "nosuid", "nodev", "noexec"]},
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "namespaces": namespaces,
+            **mappings,
             "cgroupsPath": cgroups_path,
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],

@@ -203,6 +203,9 @@ class Layer:
 def scan(root: str) -> list[Layer]:
     """Layers cached by an earlier run; broken entries are removed."""
     os.makedirs(root, exist_ok=True)
+    # root's only: the node's state dir is searchable by sandbox uids (the node-agent's user
+    # namespaces), and cached layers include every tenant's snapshots
+    os.chmod(root, 0o700)
     out = []
     for name in sorted(os.listdir(root)):
         d = os.path.join(root, name)

@@ -1,7 +1,7 @@
 """What one sandbox may spend of the node through its seccomp notifications (audit/seccomp.py):
 how fast its notified calls are answered (a token bucket: a flood slows the flooder, not the
-node-agent or its neighbours), and how many inotify instances it may hold (they count per host uid,
-and sandbox root is host root)."""
+node-agent or its neighbours), and how many inotify instances it may hold (they count per uid: a
+sandbox's range of its own where it has a user namespace, host root's where it has none)."""
 from __future__ import annotations
 
 import logging
@@ -13,9 +13,10 @@ NOTIFY_RATE = 1000.0  # notifications per second a sandbox is answered at, susta
 NOTIFY_BURST = 2000.0
 THROTTLE_PAUSE_S = 0.1
 THROTTLE_REPORT_S = 1.0
-# inotify instances are counted per host uid (fs.inotify.max_user_instances, 128 by default) and
-# sandbox root is host root: each sandbox may hold this many, and the node raises the host's limit
-# to INOTIFY_HOST_LIMIT so that no sandbox (nor all of a full node's) can leave host root without one
+# inotify instances are counted per uid (fs.inotify.max_user_instances, 128 by default), charged up
+# to the owner of the sandbox's user namespace (its own range; host root with CORRAL_USERNS=off):
+# each sandbox may hold this many, and the node raises the host's limit to INOTIFY_HOST_LIMIT so
+# that no sandbox (nor all of a full node's without user namespaces) can leave host root without one
 INOTIFY_PER_SANDBOX = 64
 INOTIFY_HOST_LIMIT = 1 << 17
 INOTIFY_RECOUNT_S = 1.0

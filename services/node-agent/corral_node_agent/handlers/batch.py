@@ -113,7 +113,7 @@ class BatchCreate:
         self.table = table
         self.placements = placements
         self.notes = claims_dir(state_dir)
-        os.makedirs(self.notes, exist_ok=True)
+        os.makedirs(self.notes, mode=0o700, exist_ok=True)  # the state dir is searchable by sandbox uids
         self.slots = asyncio.Semaphore(parallel)  # per node, across concurrent batch requests
         self.inflight: dict[str, asyncio.Future] = {}
 

@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -230,9 +231,23 @@ fail:
     close(conn);
 }
 
+/* Limits every process of the sandbox inherits (services/node-agent .../oci.py rlimits): no core
+ * dumps, at most MAX_NOFILE open files. runc sets them too where it can; in a sandbox with a user
+ * namespace it cannot (its prlimit needs CAP_SYS_RESOURCE over that namespace), and lowering a
+ * limit needs no privilege, so init sets them itself before anything else runs. */
+#define MAX_NOFILE 65536
+static int lower_limits(void) {
+    struct rlimit core = {0, 0}, nofile;
+    if (setrlimit(RLIMIT_CORE, &core) != 0 || getrlimit(RLIMIT_NOFILE, &nofile) != 0) return -1;
+    if (nofile.rlim_max > MAX_NOFILE) nofile.rlim_max = MAX_NOFILE;
+    if (nofile.rlim_cur > nofile.rlim_max) nofile.rlim_cur = nofile.rlim_max;
+    return setrlimit(RLIMIT_NOFILE, &nofile);
+}
+
 int main(void) {
     /* keep /proc/1/fd and /proc/1/mem out of reach of the sandbox's own (capability-less) root */
     prctl(PR_SET_DUMPABLE, 0);
+    if (lower_limits() != 0) return 111;
     for (int fd = LISTEN_FD; fd <= HELD_FD_LAST; fd++) fcntl(fd, F_SETFD, FD_CLOEXEC);
     /* a placeholder keeps NOTIFY_FD's number from the fds opened below (a hold replaces it) */
     int ph = open("/dev/null", O_RDONLY | O_CLOEXEC);

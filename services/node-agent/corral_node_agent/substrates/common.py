@@ -49,15 +49,17 @@ class StayingSandbox(Sandbox):
         self.epoch = secrets.token_hex(3)
         self.paused = False
         self.lingering: set[str] = set()
+        # host uid of the sandbox's root (its user namespace's range, userns.py); 0: host root
+        self.uid_base = 0
 
 
-def make_io_dir(path: str) -> None:
+def make_io_dir(path: str, uid_base: int = 0) -> None:
     """The sandbox's io dir, owned by the harness uid with mode 0711: the agent (root without
     CAP_DAC_*, so "other" here) can open a file whose name it knows but cannot list the directory,
     so session scripts and stdin files carry unguessable names, and a harness's are the harness
-    uid's own (0400)."""
+    uid's own (0400). `uid_base`: the host uid of the sandbox's root (its user namespace)."""
     os.makedirs(path, mode=0o711)
-    os.chown(path, HARNESS_ID, HARNESS_ID)
+    os.chown(path, uid_base + HARNESS_ID, uid_base + HARNESS_ID)
     os.chmod(path, 0o711)
 
 
@@ -67,7 +69,7 @@ def write_io_file(sb: StayingSandbox, name: str, data: bytes, harness: bool) -> 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400 if harness else 0o444)
     try:
         if harness:
-            os.fchown(fd, HARNESS_ID, HARNESS_ID)
+            os.fchown(fd, sb.uid_base + HARNESS_ID, sb.uid_base + HARNESS_ID)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
@@ -79,7 +81,9 @@ def write_io_file(sb: StayingSandbox, name: str, data: bytes, harness: bool) -> 
 def save_record(sdir: str, record: msgspec.Struct) -> None:
     """Write `sandbox.json` atomically (a crash leaves the old record or the new, never half)."""
     tmp = f"{sdir}/sandbox.json.tmp"
-    with open(tmp, "wb") as f:
+    # 0600: the spec's env may hold secrets, and the state dir is traversable by sandbox roots
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
         f.write(msgspec.json.encode(record))
     os.replace(tmp, f"{sdir}/sandbox.json")
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -25,7 +26,7 @@ from corral_common import egress, linux
 from corral_common.contract.errors import Internal, Unavailable
 from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
-from .. import cgroups, confine, initclient, masks, oci
+from .. import cgroups, confine, initclient, masks, oci, userns
 from ..egress import Egress
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
@@ -43,6 +44,9 @@ STARTUP_CPU = 1.0
 #: warm-pool sandboxes run under internal ids with this prefix until a claim renames them
 #: (same length as a scheduler's "sb-" + 12 hex, so nothing derived from the id changes size)
 WARM_PREFIX = "wp-"
+#: "off": sandboxes without a user namespace (their root is host root); for kernels without
+#: idmapped mounts on EROFS and tmpfs (Linux 5.19 or later has them)
+USERNS_ENV = "CORRAL_USERNS"
 #: what a warm-pool sandbox is built with; a claim rewrites limits, disk size and workdir
 WARM_SPEC = SandboxSpec(image="busybox", cpu=1.0, memory_mb=256, disk_mb=1024, pids_max=1024)
 
@@ -67,6 +71,9 @@ class ContainerSubstrate(Substrate):
         self.cgroup_parent = f"/corral/{node}-{tag}"
         self.init_path = ""
         self.egress = Egress(node)
+        # sandbox root is not host root (userns.py) unless CORRAL_USERNS=off
+        self.use_userns = os.environ.get(USERNS_ENV, "on") != "off"
+        self.uids: userns.UidRanges | None = None
 
     async def start(self) -> None:
         if not os.path.exists(self.runc) and not shutil.which(self.runc):
@@ -74,11 +81,28 @@ class ContainerSubstrate(Substrate):
         if os.geteuid() != 0:
             raise Unavailable("the container substrate needs root (mounts, cgroups, runc)")
         os.makedirs(self.sandboxes_dir, exist_ok=True)
-        os.makedirs(self.runc_root, exist_ok=True)
+        os.makedirs(self.runc_root, mode=0o700, exist_ok=True)
+        os.chmod(self.runc_root, 0o700)  # runc's state (each sandbox's config): host root's only
         linux.set_child_subreaper()
         with open(f"{self.state_dir}/cgroup-parent", "w") as f:
             f.write(self.cgroup_parent + "\n")
         self.init_path = await asyncio.to_thread(ensure_init_binary, f"{self.state_dir}/bin")
+        if self.use_userns:
+            problem = await asyncio.to_thread(userns.probe, f"{self.state_dir}/probe")
+            if problem:
+                raise Unavailable(f"sandboxes cannot get user namespaces here ({problem}); set {USERNS_ENV}=off "
+                                  "to run them without (their root is then host root)")
+            self.uids = userns.UidRanges(self.sandboxes_dir)  # (the function substrate's are its own)
+            # what runc cannot set in a sandbox with a user namespace it inherits from here
+            # (corral-init lowers it again; one-shot runs have no init): no core dumps
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            # runc mounts the root, the init binary and the io dir from inside the sandbox's
+            # user namespace, as its root: an unprivileged host uid, which must be able to pass
+            # through (not list) every directory above them
+            os.chmod(self.sandboxes_dir, 0o711)  # and not listable: sandbox ids are not theirs to learn
+            opened = await asyncio.to_thread(userns.make_traversable, self.sandboxes_dir, os.path.dirname(self.init_path))
+            if opened:
+                log.info("directories made traversable for sandbox roots", extra={"fields": {"dirs": opened}})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -99,13 +123,35 @@ class ContainerSubstrate(Substrate):
 
     async def _create(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str, cg: cgroups.Cgroups) -> ContainerSandbox:
         sid = info.id
-        os.makedirs(sdir, mode=0o700, exist_ok=False)
+        # traversable, not listable, for the sandbox's root (runc mounts its root from inside
+        # its user namespace); what the state dir holds that the sandbox must not read is 0600
+        os.makedirs(sdir, mode=0o711, exist_ok=False)
+        os.chmod(sdir, 0o711)
         os.makedirs(f"{sdir}/rw")
         os.makedirs(f"{sdir}/rootfs")
-        make_io_dir(f"{sdir}/io")
-        mount_root(sdir, lower, spec.disk_mb)
+        base, user_fd = self._user_namespace(sid, sdir)
+        try:
+            return await self._create_in(info, spec, lower, layers, sdir, cg, base, user_fd)
+        finally:
+            if user_fd is not None:
+                os.close(user_fd)
+
+    def _user_namespace(self, sid: str, sdir: str) -> tuple[int, int | None]:
+        """A host uid range for the sandbox (recorded in its state dir first, so a teardown
+        releases it whatever fails next) and a user namespace over it; (0, None) without."""
+        if self.uids is None:
+            return 0, None
+        base = self.uids.claim_for(sid, sdir)
+        return base, userns.make_userns(base)[0]
+
+    async def _create_in(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str,
+                         cg: cgroups.Cgroups, base: int, user_fd: int | None) -> ContainerSandbox:
+        sid = info.id
+        make_io_dir(f"{sdir}/io", base)
+        mount_root(sdir, lower, spec.disk_mb, user_fd, base)
         if spec.workdir not in ("", "/"):
-            confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
+            with userns.acting_as(base):
+                confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
         cfg = oci.config(
             hostname=sid,
             init_path=self.init_path,
@@ -122,6 +168,7 @@ class ContainerSubstrate(Substrate):
             pids_max=spec.pids_max,
             seccomp_listener=self.seccomp_listener,
             init_caps=True,
+            userns=None if user_fd is None else (f"/proc/{os.getpid()}/fd/{user_fd}", base),
         )
         # protected paths are covered by decoys before anything in the sandbox runs (fail closed)
         cfg["mounts"].extend(masks.oci_mounts(masks.build(f"{sdir}/rootfs", list(spec.protected_paths), f"{sdir}/masks")))
@@ -158,6 +205,7 @@ class ContainerSubstrate(Substrate):
         if spec.cpu < STARTUP_CPU:
             cg.set_cpu(spec.cpu)
         sb = ContainerSandbox(info, spec, sdir, cg, init_pid, layers)
+        sb.uid_base = base
         if hosts:  # the allowed names, resolved by the node: there is no DNS inside
             await self.write_file(sb, "/etc/hosts", ("127.0.0.1 localhost\n" + "\n".join(hosts) + "\n").encode(), 0o644, True)
         self._persist(sb)
@@ -260,7 +308,8 @@ class ContainerSubstrate(Substrate):
             linux.reconfigure(sb.rw, size=f"{spec.disk_mb}m")
         linux.set_hostname(sb.init_pid, new)
         if spec.workdir not in ("", "/"):
-            confine.mkdirs(sb.rootfs, spec.workdir)
+            with userns.acting_as(sb.uid_base):
+                confine.mkdirs(sb.rootfs, spec.workdir)
         sb.info, sb.spec, sb.warm_id = info, spec, old
         sb.cg.thaw()
         sb.paused = False
@@ -327,7 +376,10 @@ class ContainerSubstrate(Substrate):
         runc_cli.delete(self.runc, self.runc_root, sid)
         linux.umount_all(sdir)
         cg.destroy(timeout=1)
+        base = userns.read_base(sdir)
         shutil.rmtree(sdir, ignore_errors=True)
+        if self.uids is not None:
+            self.uids.release(base)  # after every process of the range is gone
 
     def _persist(self, sb: ContainerSandbox) -> None:
         save_record(sb.sdir, Record(info=sb.info, spec=sb.spec, init_pid=sb.init_pid, layers=sb.layers))
@@ -366,7 +418,12 @@ class ContainerSubstrate(Substrate):
 
     async def write_file(self, sb: Sandbox, path: str, data: bytes, mode: int, make_parents: bool) -> None:
         assert isinstance(sb, ContainerSandbox)
-        await asyncio.to_thread(confine.write, sb.rootfs, path, data, mode, make_parents)
+        await asyncio.to_thread(self._write, sb, path, data, mode, make_parents)
+
+    @staticmethod
+    def _write(sb: ContainerSandbox, path: str, data: bytes, mode: int, make_parents: bool) -> None:
+        with userns.acting_as(sb.uid_base):  # owned by the sandbox's root, as its own writes are
+            confine.write(sb.rootfs, path, data, mode, make_parents)
 
     async def connect_port(self, sb: Sandbox, port: int) -> socket.socket:
         assert isinstance(sb, ContainerSandbox)
@@ -454,6 +511,7 @@ class ContainerSubstrate(Substrate):
             if rec is not None and st is not None and st.get("status") in ("running", "paused") and init_responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
                 sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid), rec.layers)
                 sb.paused = st.get("status") == "paused"
+                sb.uid_base = userns.read_base(sdir)
                 adopt_exec_groups(cg, sb.lingering)
                 if rec.spec.network == "allowlist":
                     self.egress.adopt(sid, sdir, egress.check(rec.spec.network, rec.spec.egress))
@@ -482,6 +540,9 @@ class ContainerSubstrate(Substrate):
                         report.notes.append(f"stray cgroup {sid} removed")
         if warm:
             report.notes.append(f"removed {warm} unclaimed warm-pool sandbox(es)")
+        if self.uids is not None:
+            freed = self.uids.sweep({sb.uid_base for sb in adopted if isinstance(sb, ContainerSandbox)})
+            if freed:
+                report.notes.append(f"released {len(freed)} host uid range(s) no sandbox holds")
         return adopted, report
-
 

@@ -20,7 +20,7 @@ import msgspec
 from corral_common import linux
 from corral_common.contract.messages import SandboxInfo, SandboxSpec
 
-from .. import cgroups, masks
+from .. import cgroups, masks, userns
 from .common import StayingSandbox
 
 #: what every exec's environment starts from (the spec's env and the request's go over it)
@@ -77,9 +77,12 @@ class ContainerSandbox(StayingSandbox):
         self.io = f"{sdir}/io"
 
 
-def mount_root(sdir: str, lower: str, disk_mb: int) -> None:
+def mount_root(sdir: str, lower: str, disk_mb: int, userns_fd: int | None = None, base: int = 0) -> None:
     """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs; `sdir/rootfs`:
-    the overlay of `lower` (image layers, ':'-separated) and that upper."""
+    the overlay of `lower` (image layers, ':'-separated) and that upper. With a user namespace
+    (`userns_fd`, its range at host uid `base`), every layer, the upper's too, is an idmapped
+    clone (userns.py) and the overlay is mounted as the sandbox's root: files stay owned by uid 0
+    on disk and are the sandbox's root's inside, not host root's."""
     linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={disk_mb}m,mode=755")
     os.mkdir(f"{sdir}/rw/upper", 0o755)
     os.mkdir(f"{sdir}/rw/work", 0o755)
@@ -91,17 +94,27 @@ def mount_root(sdir: str, lower: str, disk_mb: int) -> None:
     # handles decodable, which fanotify needs to report its directory entry events
     # (create/unlink/rename) with paths (audit/files.py); without them (a lower that cannot
     # export handles) the overlay is mounted plain and file activity falls back to fd mode
-    up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
-    wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
+    fds: list[int] = []
     try:
+        if userns_fd is not None:
+            fds = [userns.idmapped(p, userns_fd) for p in lower.split(":")]
+            lower = ":".join(f"/proc/self/fd/{fd}" for fd in fds)
+            fds.append(userns.idmapped(f"{sdir}/rw", userns_fd))
+            up = os.open(f"/proc/self/fd/{fds[-1]}/upper", os.O_PATH | os.O_CLOEXEC)
+            wk = os.open(f"/proc/self/fd/{fds[-1]}/work", os.O_PATH | os.O_CLOEXEC)
+        else:
+            up = os.open(f"{sdir}/rw/upper", os.O_PATH | os.O_CLOEXEC)
+            wk = os.open(f"{sdir}/rw/work", os.O_PATH | os.O_CLOEXEC)
+        fds += [up, wk]
         opts = f"lowerdir={lower},upperdir=/proc/self/fd/{up},workdir=/proc/self/fd/{wk}"
-        try:
-            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
-        except OSError:
-            linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
+        with userns.acting_as(base):
+            try:
+                linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts + ",index=on,nfs_export=on")
+            except OSError:
+                linux.mount("overlay", f"{sdir}/rootfs", "overlay", linux.MS_NOSUID | linux.MS_NODEV, opts)
     finally:
-        os.close(up)
-        os.close(wk)
+        for fd in fds:
+            os.close(fd)
 
 
 def init_responsive(ctl: str, paused: bool) -> bool:

@@ -39,7 +39,7 @@ from corral_common.contract import subjects
 from corral_common.contract.errors import InvalidRequest, Unavailable
 from corral_common.contract.messages import ExecRequest, SandboxInfo, SandboxSpec
 
-from .. import cgroups, confine
+from .. import cgroups, confine, userns
 from ..layermounts import LayerMounts
 from .base import AdoptReport, ChunkCallback, Sandbox
 from .container import ContainerSubstrate
@@ -217,7 +217,7 @@ class FunctionSubstrate(ContainerSubstrate):
         sid = f"{ID_PREFIX}{secrets.token_hex(6)}"
         slot = Slot(sid=sid, sdir=f"{self.sandboxes_dir}/{sid}", hold=hold, disk_mb=disk_mb)
         try:
-            await asyncio.to_thread(prepare_slot, slot, ":".join(hold.lowers))
+            await asyncio.to_thread(prepare_slot, slot, ":".join(hold.lowers), self.uids)
         except BaseException:
             await asyncio.shield(self._release(slot))
             raise
@@ -246,10 +246,13 @@ class FunctionSubstrate(ContainerSubstrate):
         shutil.rmtree(f"{self.runc_root}/{sid}", ignore_errors=True)
         linux.umount_all(sdir)
         cg.destroy(timeout=1)
+        base = userns.read_base(sdir)
         # runc also made the container's group in a hybrid host's empty v2 tree (what `runc delete`
         # would remove; cgroups.V1_ALL does not list it)
         cgroups.rmtree_cgroup(f"{cgroups.ROOT}/unified/{cg.rel}")
         shutil.rmtree(sdir, ignore_errors=True)
+        if self.uids is not None:
+            self.uids.release(base)
 
     def _evict_lru(self) -> None:
         for image in sorted(self.last_used, key=self.last_used.get)[: max(0, len(self.slots) - self.max_images)]:
@@ -316,7 +319,8 @@ class FunctionSubstrate(ContainerSubstrate):
         if spec.disk_mb != sb.spec.disk_mb:
             linux.reconfigure(sb.rw, size=f"{spec.disk_mb}m")
         if spec.workdir not in ("", "/"):
-            confine.mkdirs(sb.rootfs, spec.workdir)
+            with userns.acting_as(sb.uid_base):
+                confine.mkdirs(sb.rootfs, spec.workdir)
 
     def _refill_warm(self, image: str) -> None:
         if self.closing or self.warm_per_image <= 0 or image not in self.last_used:
@@ -378,6 +382,8 @@ class FunctionSubstrate(ContainerSubstrate):
             report.cleaned.append(sid)
         if report.cleaned:
             report.notes.append(f"removed {len(report.cleaned)} function call(s)/slot(s) left by the previous node-agent")
+        if self.uids is not None:
+            self.uids.sweep(set())  # a warm sandbox's or a slot's that was half made
         return report
 
     async def close(self) -> None:

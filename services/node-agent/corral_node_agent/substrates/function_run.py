@@ -18,7 +18,7 @@ from corral_common import linux
 from corral_common.contract.errors import Internal, Unavailable
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec
 
-from .. import cgroups, confine, oci
+from .. import cgroups, confine, oci, userns
 from ..aio import wait_readable as _wait_readable
 from ..output import PipeReader
 from .base import ChunkCallback
@@ -47,7 +47,7 @@ async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, re
                                 MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV, f"size={spec.disk_mb}m")
         slot.disk_mb = spec.disk_mb
     if spec.workdir not in ("", "/"):
-        await asyncio.to_thread(confine.mkdirs, slot.rootfs, spec.workdir)
+        await asyncio.to_thread(_mkdirs, slot, spec.workdir)
     if cwd != "/":
         problem = dir_problem(slot.rootfs, cwd)
         if problem:  # what the container substrate's init answers, instead of runc creating it
@@ -55,7 +55,8 @@ async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, re
                               duration_ms=(time.perf_counter() - t0) * 1000)
     cg = cgroups.Cgroups(f"{sub.cgroup_parent}/{sid}")
     cfg = oci.config(hostname=sid, init_path=sub.init_path, io_dir=f"{sdir}/io",
-                     cgroups_path="/" + cg.rel, env=env, cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max)
+                     cgroups_path="/" + cg.rel, env=env, cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max,
+                     userns=(f"{sdir}/userns", slot.uid_base) if slot.uid_base else None)
     cfg["process"]["args"] = argv
     cfg["process"]["cwd"] = cwd
     if req.harness:
@@ -165,3 +166,8 @@ def _tail(path: str, n: int = 4000) -> str:
             return f.read()[-n:]
     except OSError:
         return ""
+
+
+def _mkdirs(slot: Slot, path: str) -> None:
+    with userns.acting_as(slot.uid_base):  # owned by the sandbox's root
+        confine.mkdirs(slot.rootfs, path)

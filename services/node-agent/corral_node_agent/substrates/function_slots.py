@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from corral_common import linux
 
+from .. import userns
 from .container_sandbox import mount_root
 
 CLONE_NEWNET = 0x40000000
@@ -40,20 +41,39 @@ class Slot:
     hold: Hold
     disk_mb: int
     made_at: float = field(default_factory=time.monotonic)
+    uid_base: int = 0  # host uid of its root (userns.py); 0: host root
 
     @property
     def rootfs(self) -> str:
         return f"{self.sdir}/rootfs"
 
 
-def prepare_slot(slot: Slot, lower: str) -> None:
-    """Make the slot's root on the image's layers `lower` (':'-separated) and its network namespace."""
+def prepare_slot(slot: Slot, lower: str, uids: userns.UidRanges | None) -> None:
+    """Make the slot's root on the image's layers `lower` (':'-separated) and its network
+    namespace; with `uids`, in a user namespace over a host uid range of its own (userns.py),
+    which the network namespace belongs to. Both namespaces are kept by bind mounts in the slot's
+    dir (runc joins them by path), removed with it."""
     sdir = slot.sdir
-    os.makedirs(sdir, mode=0o700)
+    os.makedirs(sdir, mode=0o711)
+    os.chmod(sdir, 0o711)  # runc mounts the root as the sandbox's root: it must pass through
     os.makedirs(f"{sdir}/rw")
     os.makedirs(f"{sdir}/rootfs")
-    mount_root(sdir, lower, slot.disk_mb)  # (with decodable handles: file activity with paths)
-    make_netns(f"{sdir}/netns")
+    if uids is None:
+        mount_root(sdir, lower, slot.disk_mb)  # (with decodable handles: file activity with paths)
+        make_netns(f"{sdir}/netns")
+        return
+    slot.uid_base = uids.claim_for(slot.sid, sdir)
+    user_fd, net_fd = userns.make_userns(slot.uid_base, netns=True)
+    try:
+        mount_root(sdir, lower, slot.disk_mb, user_fd, slot.uid_base)
+        for name, fd in (("userns", user_fd), ("netns", net_fd)):
+            with open(f"{sdir}/{name}", "w"):
+                pass
+            linux.mount(f"/proc/self/fd/{fd}", f"{sdir}/{name}", "", linux.MS_BIND)
+    finally:
+        for fd in (user_fd, net_fd):
+            if fd is not None:
+                os.close(fd)
 
 
 def make_netns(path: str) -> None:
