@@ -140,3 +140,37 @@ def test_oci_config_joins_the_namespace_and_leaves_rlimits_to_init():
     want = [{"containerID": 0, "hostID": BASE, "size": oci.USERNS_RANGE}]
     assert c["linux"]["uidMappings"] == want and c["linux"]["gidMappings"] == want
     assert "rlimits" not in c["process"]  # runc could not set them (init lowers them itself)
+
+
+def test_helper_makes_namespaces_and_survives_its_own_death():
+    """The node-agent's namespaces come from a small helper process (a fork of the agent costs
+    in proportion to its memory): fds passed back, a dead helper replaced, errors explained,
+    nothing left after close."""
+    import fcntl
+    import struct
+
+    from corral_node_agent.userns_helper import Helper
+
+    h = Helper()
+    try:
+        user_fd, net_fd = h.make(BASE, netns=True)
+        try:
+            assert struct.unpack("I", fcntl.ioctl(user_fd, 0xB704, b"\0" * 4))[0] == BASE
+            assert os.readlink(f"/proc/self/fd/{net_fd}").startswith("net:[")
+            assert not os.get_inheritable(user_fd)
+        finally:
+            os.close(user_fd)
+            os.close(net_fd)
+        first = h.proc
+        assert first is not None
+        first.kill()
+        first.wait()
+        user_fd, none = h.make(BASE)
+        os.close(user_fd)
+        assert none is None and h.proc is not first
+        with pytest.raises(OSError, match="uid base -1 is out of range"):
+            h.make(-1)
+    finally:
+        proc = h.proc
+        h.close()
+    assert proc is not None and proc.poll() is not None

@@ -151,6 +151,8 @@ def make_userns(base: int, netns: bool = False) -> tuple[int, int | None]:
 
     A forked child becomes uid `base`, unshares, and waits while this process (root) writes its
     maps and opens its namespaces; then it exits (the fds keep the namespaces)."""
+    if not 0 < base <= 0xFFFFFFFE - RANGE:
+        raise ValueError(f"uid base {base} is out of range (1..{0xFFFFFFFE - RANGE})")
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()

@@ -30,6 +30,7 @@ from .. import cgroups, confine, initclient, masks, oci, userns
 from ..egress import Egress
 from ..initbin import ensure_init_binary
 from ..layermounts import LayerMounts
+from ..userns_helper import Helper
 from . import runc_cli
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .common import adopt_exec_groups, load_record, make_io_dir, save_record, unwatch_pidfd, watch_pidfd
@@ -74,6 +75,7 @@ class ContainerSubstrate(Substrate):
         # sandbox root is not host root (userns.py) unless CORRAL_USERNS=off
         self.use_userns = os.environ.get(USERNS_ENV, "on") != "off"
         self.uids: userns.UidRanges | None = None
+        self.ns_helper: Helper | None = None
 
     async def start(self) -> None:
         if not os.path.exists(self.runc) and not shutil.which(self.runc):
@@ -93,6 +95,8 @@ class ContainerSubstrate(Substrate):
                 raise Unavailable(f"sandboxes cannot get user namespaces here ({problem}); set {USERNS_ENV}=off "
                                   "to run them without (their root is then host root)")
             self.uids = userns.UidRanges(self.sandboxes_dir)  # (the function substrate's are its own)
+            self.ns_helper = Helper()
+            await asyncio.to_thread(self.ns_helper.start)
             # what runc cannot set in a sandbox with a user namespace it inherits from here
             # (corral-init lowers it again; one-shot runs have no init): no core dumps
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -141,8 +145,9 @@ class ContainerSubstrate(Substrate):
         releases it whatever fails next) and a user namespace over it; (0, None) without."""
         if self.uids is None:
             return 0, None
+        assert self.ns_helper is not None
         base = self.uids.claim_for(sid, sdir)
-        return base, userns.make_userns(base)[0]
+        return base, self.ns_helper.make(base)[0]
 
     async def _create_in(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str,
                          cg: cgroups.Cgroups, base: int, user_fd: int | None) -> ContainerSandbox:
@@ -482,6 +487,10 @@ class ContainerSubstrate(Substrate):
     async def usage(self, sb: Sandbox) -> Usage:
         assert isinstance(sb, ContainerSandbox)
         return Usage(cpu_ns=sb.cg.cpu_usage_ns(), memory_bytes=sb.cg.memory_bytes(), pids=sb.cg.pids_current())
+
+    async def close(self) -> None:
+        if self.ns_helper is not None:
+            await asyncio.to_thread(self.ns_helper.close)
 
     # ------------------------------------------------------------------ crash recovery
 

@@ -217,7 +217,7 @@ class FunctionSubstrate(ContainerSubstrate):
         sid = f"{ID_PREFIX}{secrets.token_hex(6)}"
         slot = Slot(sid=sid, sdir=f"{self.sandboxes_dir}/{sid}", hold=hold, disk_mb=disk_mb)
         try:
-            await asyncio.to_thread(prepare_slot, slot, ":".join(hold.lowers), self.uids)
+            await asyncio.to_thread(prepare_slot, slot, ":".join(hold.lowers), self.uids, self.ns_helper)
         except BaseException:
             await asyncio.shield(self._release(slot))
             raise
@@ -405,6 +405,7 @@ class FunctionSubstrate(ContainerSubstrate):
             self._drop_hold(h)
         if self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        await super().close()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from corral_common import linux
 
 from .. import userns
+from ..userns_helper import Helper
 from .container_sandbox import mount_root
 
 CLONE_NEWNET = 0x40000000
@@ -48,7 +49,7 @@ class Slot:
         return f"{self.sdir}/rootfs"
 
 
-def prepare_slot(slot: Slot, lower: str, uids: userns.UidRanges | None) -> None:
+def prepare_slot(slot: Slot, lower: str, uids: userns.UidRanges | None, helper: Helper | None) -> None:
     """Make the slot's root on the image's layers `lower` (':'-separated) and its network
     namespace; with `uids`, in a user namespace over a host uid range of its own (userns.py),
     which the network namespace belongs to. Both namespaces are kept by bind mounts in the slot's
@@ -58,12 +59,12 @@ def prepare_slot(slot: Slot, lower: str, uids: userns.UidRanges | None) -> None:
     os.chmod(sdir, 0o711)  # runc mounts the root as the sandbox's root: it must pass through
     os.makedirs(f"{sdir}/rw")
     os.makedirs(f"{sdir}/rootfs")
-    if uids is None:
+    if uids is None or helper is None:
         mount_root(sdir, lower, slot.disk_mb)  # (with decodable handles: file activity with paths)
         make_netns(f"{sdir}/netns")
         return
     slot.uid_base = uids.claim_for(slot.sid, sdir)
-    user_fd, net_fd = userns.make_userns(slot.uid_base, netns=True)
+    user_fd, net_fd = helper.make(slot.uid_base, netns=True)
     try:
         mount_root(sdir, lower, slot.disk_mb, user_fd, slot.uid_base)
         for name, fd in (("userns", user_fd), ("netns", net_fd)):
