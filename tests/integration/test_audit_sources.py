@@ -21,6 +21,7 @@ import pytest_asyncio
 
 from corral_common.contract import subjects
 from corral_common.contract.audit import Alert, AuditBatch, AuditEvent
+from corral_node_agent import userns
 from corral_sdk import Forbidden
 
 from .. import hostview
@@ -362,7 +363,8 @@ async def test_protected_paths_fail_closed_while_the_agent_is_down():
         agent.wait()
         sdir = glob.glob(f"{stack.data_dir}/**/sandboxes/{sb.id}", recursive=True)
         assert sdir, "the sandbox's state dir"
-        with open(f"{hostview.root(sdir[0])}/tmp/go", "w"):
+        # as the sandbox's root, as the files API writes (host root owns nothing in its range)
+        with userns.acting_as(hostview.uid_base(sdir[0])), open(f"{hostview.root(sdir[0])}/tmp/go", "w"):
             pass
         out = f"{hostview.rw(sdir[0])}/upper/tmp/out"
         for _ in range(600):  # read from the host: the agent is still down

@@ -202,6 +202,38 @@ async def test_a_tenant_hears_the_alerts_on_its_own_sandboxes_only(stack, two_te
         await sa.destroy()
 
 
+async def test_a_tenant_follows_its_own_batchs_progress(stack, two_tenants):
+    """A tenant may not subscribe to corral.events; its create_batch progress arrives on the
+    request's own reply route, and another tenant can neither hear it nor the operator's events."""
+    a, b, clients, _ = two_tenants
+    got = []
+    sbs = await clients[a].create_batch(3, cpu=0.05, memory_mb=32, ttl_s=300, job="progress", progress=got.append)
+    try:
+        assert len(sbs) == 3 and all(sb.info.tenant == a for sb in sbs)
+        assert got and got[-1].done and (got[-1].placed, got[-1].total) == (3, 3), got
+        assert [g.placed for g in got] == sorted(g.placed for g in got)
+        # the other tenant: no subscription to the operator's event subjects (the server refuses it)
+        errors: list[Exception] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(e)
+
+        nb = await nats.connect(stack.bus_url, error_cb=on_error, **auth.connect_options(stack.bus_url, creds=two_tenants[3][b]))
+        try:
+            await nb.subscribe(subjects.batch_event(got[-1].batch_id, "*"))
+            await nb.flush()
+            for _ in range(50):
+                if errors:
+                    break
+                await asyncio.sleep(0.05)
+            assert any("ermissions" in str(e) for e in errors), errors
+        finally:
+            await nb.close()
+    finally:
+        for sb in sbs:
+            await sb.destroy()
+
+
 async def test_what_only_the_operator_may_do(stack, two_tenants):
     a, _, clients, _ = two_tenants
     na = clients[a].nc

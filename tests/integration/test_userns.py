@@ -4,6 +4,7 @@ by uid 0 on disk (idmapped layers), so the image's layers, snapshots and the fil
 before."""
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 
@@ -137,3 +138,47 @@ async def test_an_escaped_sandbox_root_is_an_unprivileged_host_user(stack, sandb
         assert r.returncode != 0 and ("ermission denied" in r.stderr or "not permitted" in r.stderr), \
             f"an escaped sandbox root could {what}: {r}"
     assert not os.path.exists(f"{node_dir}/escaped")
+
+
+async def test_a_sandbox_spending_a_per_uid_budget_spends_only_its_own(client, sandbox):
+    """The attack the issue measured, on a budget nothing caps per sandbox: inotify watches count
+    per uid (fs.inotify.max_user_watches, charged up to the owner of the sandbox's user namespace).
+    A sandbox watching until the kernel refuses (ENOSPC) leaves host root and a neighbour sandbox
+    their own budgets; before, every sandbox and host root shared uid 0's."""
+    import ctypes
+
+    from .test_audit_sources import static_binary
+
+    with open("/proc/sys/fs/inotify/max_user_watches") as f:
+        budget = int(f.read())
+    instances = 60  # under the agent's per-sandbox cap on inotify instances (64)
+    files = budget // instances + 100
+    assert files <= 200_000, f"fs.inotify.max_user_watches={budget} is too large to spend in a test"
+    await sandbox.files.write("/tmp/iw", static_binary("inotify_watches.c"), mode=0o755)
+    await sandbox.exec(f"/tmp/iw /tmp/w {files} {instances} hold > /tmp/iw.out 2>&1 &", timeout_s=60)
+    out = ""
+    for _ in range(600):
+        out = (await sandbox.exec("cat /tmp/iw.out")).stdout
+        if "watches=" in out:
+            break
+        await asyncio.sleep(0.1)
+    assert "enospc=1" in out, f"the sandbox did not spend its uid's inotify watch budget: {out!r}"
+    spent = int(out.split("watches=")[1].split()[0])
+    assert spent > budget // 2, out
+    # host root still adds a watch (its budget is not the sandbox's)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    try:
+        wd = libc.inotify_add_watch(fd, b"/tmp", 0x2)
+        assert wd >= 0, f"host root cannot add an inotify watch: {os.strerror(ctypes.get_errno())}"
+    finally:
+        os.close(fd)
+    # and so does a neighbour sandbox
+    other = await client.create(image="busybox", cpu=0.25, memory_mb=64)
+    try:
+        await other.files.write("/tmp/iw", static_binary("inotify_watches.c"), mode=0o755)
+        r = await other.exec("/tmp/iw /tmp/w 50 2")
+        assert r.stdout.strip() == "watches=100 enospc=0", r
+    finally:
+        await other.destroy()

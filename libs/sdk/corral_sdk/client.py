@@ -56,6 +56,15 @@ from corral_common.contract.replies import (
 from . import ports
 from .ports import PortForward
 
+
+class _ReplyMark(msgspec.Struct):
+    """What tells a reply (it has `ok`) from the progress events streamed before it."""
+
+    ok: bool | None = None
+
+
+_reply_mark = msgspec.json.Decoder(_ReplyMark)
+
 if TYPE_CHECKING:
     from .alerts import Alerts
     from .envs import Envs
@@ -188,29 +197,34 @@ class AsyncClient:
         if progress is None:
             req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
             return await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout)
-        batch_id = batch_id or new_id("batch")
-        done = asyncio.Event()
-
-        async def on_event(msg: Any) -> None:
-            try:
-                ev = msgspec.json.decode(msg.data, type=BatchProgress)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return
-            out = progress(ev)
-            if inspect.isawaitable(out):
-                await out
-            if ev.done:
-                done.set()
-
-        sub = await self.nc.subscribe(subjects.batch_event(batch_id, "*"), cb=on_event)
+        # the events come on the request's own reply route (stream_progress), not from
+        # corral.events, which a tenant may not subscribe to
+        req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id, stream_progress=True)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
         try:
-            req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
-            r = await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout)
-            try:  # the final event is sent before the reply; give its callback a moment to run
-                await asyncio.wait_for(done.wait(), 2.0)
-            except asyncio.TimeoutError:
-                pass
-            return r
+            await self.nc.publish(subjects.SANDBOX_CREATE_BATCH, encoder.encode(req), reply=inbox)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=max(0.001, deadline - time.monotonic()))
+                except NatsTimeout:
+                    raise Timeout(f"no reply on {subjects.SANDBOX_CREATE_BATCH} within {timeout:g}s") from None
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise Unavailable(f"nobody serves {subjects.SANDBOX_CREATE_BATCH}: is the corral stack running?")
+                try:
+                    is_reply = _reply_mark.decode(msg.data).ok is not None
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    is_reply = True  # not an event: decode_reply says what is wrong with it
+                if is_reply:  # the reply (success or error)
+                    return decode_reply(msg.data, CreateBatchReply)
+                try:
+                    ev = msgspec.json.decode(msg.data, type=BatchProgress)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue  # not an event of this contract version: nothing to report
+                out = progress(ev)
+                if inspect.isawaitable(out):
+                    await out
         finally:
             await sub.unsubscribe()
 

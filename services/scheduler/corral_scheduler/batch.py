@@ -170,11 +170,13 @@ def reply(batch_id: str, made: list[SandboxInfo], failed: list[BatchFailure], li
 
 class Progress:
     """Publishes `corral.events.batch.<id>.progress` every `every` items or `interval_s` seconds
-    (whichever comes first, only when something changed) and `.done` once at the end."""
+    (whichever comes first, only when something changed) and `.done` once at the end; each also to
+    `reply` (the request's reply subject, when it asked for progress there)."""
 
     def __init__(self, nc: NATS, batch_id: str, total: int, job: str = "", request_id: str = "",
-                 every: int | None = None, interval_s: float = 1.0):
+                 every: int | None = None, interval_s: float = 1.0, reply: str = ""):
         self.nc = nc
+        self.reply = reply
         self.batch_id = batch_id
         self.total = total
         self.job = job
@@ -210,8 +212,11 @@ class Progress:
         ev = BatchProgress(batch_id=self.batch_id, total=self.total, placed=self.placed, failed=self.failed, done=kind == "done",
                            ts=time.time(), job=self.job, request_id=self.request_id)
         self.events += 1
+        body = encoder.encode(ev)
         try:
-            await self.nc.publish(subjects.batch_event(self.batch_id, kind), encoder.encode(ev))
+            await self.nc.publish(subjects.batch_event(self.batch_id, kind), body)
+            if self.reply:
+                await self.nc.publish(self.reply, body)
         except Exception:
             pass  # progress is advisory: never fail a batch over it
 
@@ -279,7 +284,8 @@ class Batches:
             if rid and record is None:
                 await self._start_record(rid, req.count, digest, spec)
             self.admission.admit(spec, len(todo))
-        progress = Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid)
+        progress = Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid,
+                            reply=(msg.reply or "") if req.stream_progress else "")
         progress.placed = sum(1 for r in results if isinstance(r, SandboxInfo))
         progress.failed = sum(1 for r in results if isinstance(r, CorralError))
         progress.start()

@@ -92,11 +92,15 @@ class CreateBatchRequest(Request, kw_only=True):
     """`spec.request_id` makes the batch idempotent: item i gets a sandbox id derived from it, so a
     retry (after a timeout or a scheduler replica dying mid-batch) returns the same sandboxes and
     places only what is missing. `batch_id` names the progress events
-    (`corral.events.batch.<batch_id>.progress|done`); default: derived from the request_id, else new."""
+    (`corral.events.batch.<batch_id>.progress|done`); default: derived from the request_id, else new.
+    `stream_progress`: every progress event (BatchProgress, the `done` one last) is also sent to the
+    request's reply subject, before the reply, for a requester that may not subscribe to
+    `corral.events` (a tenant): the reply is then the one message with `ok`."""
 
     spec: SandboxSpec
     count: Annotated[int, Meta(ge=1, le=100_000)]
     batch_id: BatchId | None = None
+    stream_progress: bool = False
 
 
 class BatchProgress(Struct, kw_only=True):
