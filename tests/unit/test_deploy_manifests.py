@@ -5,6 +5,7 @@ node-agent with the same node id, metrics on 0.0.0.0 with probes, pinned images,
 disruption budgets."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -190,13 +191,43 @@ def test_nats_is_a_cluster_of_three_with_8mb_payloads() -> None:
     assert re.search(r"^\s*max_payload:\s*8MB\s*$", conf, re.M)
     assert re.search(r"^\s*server_name:\s*\$POD_NAME\s*$", conf, re.M)
     assert re.search(r"^\s*jetstream\s*\{[^}]*store_dir:", conf, re.M)
-    cluster = re.search(r"^\s*cluster\s*\{(.*?)^\s*\}", conf, re.M | re.S)
-    assert cluster, "no cluster block"
-    assert "listen: 0.0.0.0:6222" in cluster.group(1)
-    assert sorted(re.findall(r"nats://(nats-\d)\.nats-headless:6222", cluster.group(1))) == ["nats-0", "nats-1", "nats-2"]
+    # the routes and the authorization: `corral deploy-auth --k8s`'s Secret, included
+    assert re.search(r'^\s*include "auth/accounts.conf"\s*$', conf, re.M)
+    assert re.search(r'^\s*include "auth/cluster.conf"\s*$', conf, re.M)
     nats = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "nats")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    mount = next(m for m in nats["volumeMounts"] if m["mountPath"] == "/etc/nats/auth")
+    assert volumes[mount["name"]]["secret"]["secretName"] == "corral-nats-auth"
     assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in nats["env"]
     assert "/etc/nats/nats.conf" in nats["command"] + nats.get("args", [])
+
+
+def test_every_corral_container_authenticates_as_itself(tmp_path) -> None:
+    """Each corral container mounts the Secret of its own identity where CORRAL_NATS_CREDS points,
+    and `corral deploy-auth --k8s` makes exactly those Secrets (and the servers' one)."""
+    from corral_sdk import deployauth
+
+    assert _find("ConfigMap", "corral-config")["data"]["CORRAL_NATS_CREDS"] == "/etc/corral/nats/creds"
+    mounted = set()
+    for _, doc in _objects():
+        if doc["kind"] not in ("Deployment", "DaemonSet", "StatefulSet"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            if c["image"].split(":")[0] != CORRAL_IMAGE:
+                continue
+            identity = c["name"]
+            mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == "/etc/corral/nats"), None)
+            assert mount is not None, f"{identity} mounts no bus credentials"
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == f"corral-nats-creds-{identity}" and not secret.get("optional"), (identity, secret)
+            mounted.add(secret["secretName"])
+    assert mounted == {f"corral-nats-creds-{i}" for i in ("scheduler", "node-agent", "image-loader", "image-cache",
+                                                            "monitor", "env-builder")}
+    deployauth.render(str(tmp_path), routes=[f"nats-{i}.nats-headless:6222" for i in range(3)], k8s=True)
+    made = {s["metadata"]["name"] for s in json.loads((tmp_path / "secrets.json").read_text())["items"]}
+    assert mounted | {"corral-nats-auth"} <= made
 
 
 def test_disruption_budgets_cover_scheduler_and_nats() -> None:
@@ -229,15 +260,26 @@ def test_compose_stack() -> None:
     assert sorted(nats) == ["nats-1", "nats-2", "nats-3"]
     conf_text = (DEPLOY / "nats" / "nats.conf").read_text()
     assert re.search(r"^max_payload:\s*8MB\s*$", conf_text, re.M)
-    assert re.search(r"^cluster\s*\{", conf_text, re.M)
-    assert sorted(re.findall(r"nats://(nats-\d):6222", conf_text)) == sorted(nats)
+    # authorization and the (authenticated) routes come from `corral deploy-auth` (the auth service)
+    assert re.search(r'^include "auth/accounts.conf"$', conf_text, re.M)
+    assert re.search(r'^include "auth/cluster.conf"$', conf_text, re.M)
+    auth = services["auth"]
+    cmd = _command(auth)
+    assert cmd[:2] == ["deploy-auth", "/auth"] and "corral-auth:/auth" in auth["volumes"]
+    assert sorted(cmd[i + 1].split(":")[0] for i, a in enumerate(cmd) if a == "--route") == sorted(nats)
     for name, s in nats.items():
         assert s["environment"]["NATS_SERVER_NAME"] == name
         assert any(str(v).startswith("./nats/nats.conf:") for v in s["volumes"])
+        assert any(str(v).startswith("corral-auth:/etc/nats/auth") for v in s["volumes"])
+        assert s["depends_on"]["auth"]["condition"] == "service_completed_successfully"
         assert "--config" in _command(s)
 
-    corral = {name: s for name, s in services.items() if s.get("image", "").split(":")[0] == CORRAL_IMAGE}
+    corral = {name: s for name, s in services.items()
+              if s.get("image", "").split(":")[0] == CORRAL_IMAGE and name != "auth"}
     assert sorted(corral) == ["env-builder", "image-cache", "image-loader", "monitor", "node-agent", "scheduler"]
+    for name, s in corral.items():  # each service authenticates as itself, with its own seed
+        assert s["environment"]["CORRAL_NATS_CREDS"] == f"/etc/corral/auth/{name}.nk", name
+        assert "corral-auth:/etc/corral/auth:ro" in s["volumes"], name
     assert corral["scheduler"]["deploy"]["replicas"] == 2
     for name, s in corral.items():
         env = s["environment"]

@@ -10,7 +10,7 @@ from rich.console import Console
 from corral_common import auth, config
 from corral_common.contract.errors import CorralError
 
-from . import stackauth
+from . import deployauth, stackauth
 
 console = Console(stderr=True)
 tenant_app = typer.Typer(no_args_is_help=True, help="add, list and revoke the tenants of a local stack")
@@ -51,5 +51,21 @@ def revoke(name: str, data_dir: str = DATA_DIR) -> None:
     console.print(f"tenant {name} revoked")
 
 
+def deploy_auth(out: str = typer.Argument(..., help="directory to write into (created, mode 0700)"),
+                tenant: list[str] = typer.Option([], "--tenant", help="a tenant to add (repeat)"),
+                route: list[str] = typer.Option([], "--route", help="host:port of a server's route listener (repeat, every server)"),
+                k8s: bool = typer.Option(False, "--k8s", help="also write secrets.json: the Kubernetes Secrets")) -> None:
+    """Bus credentials and nats-server authorization for a deployment (deploy/): nkeys for corral's
+    identities, passwords for tenants and the gateway, authenticated routes. Keys already in OUT
+    are kept; reload the servers after adding a tenant."""
+    try:
+        files = deployauth.render(out, tenant, route, k8s)
+    except CorralError as e:
+        _fail(e)
+    for f in files:
+        print(f)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(tenant_app, name="tenant")
+    app.command("deploy-auth")(deploy_auth)

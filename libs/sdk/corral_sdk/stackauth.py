@@ -139,18 +139,17 @@ class Server:
     cluster: str = ""
 
 
-def server_config(server: Server, peers: list[Server], passwords: dict[str, str], tenant_passwords: dict[str, str],
-                  pid_file: str, route_password: str = "") -> str:
-    """nats-server configuration: the listener, 8 MB payloads (files.write and exec output travel
-    base64/JSON-encoded in one message), JetStream, the CORRAL account with its users and its
-    export of the public subjects, and one account per tenant importing them; in a cluster, the
-    route listener and the routes to every peer (routes authenticate too: an unauthenticated
-    route would be a way around every account permission)."""
+def accounts(corral_users: dict[str, dict[str, Any]], tenant_passwords: dict[str, str]) -> dict[str, Any]:
+    """The nats-server `accounts` block: CORRAL (JetStream; each identity's user, `corral_users`:
+    identity -> its credentials, {"password": ...} or {"nkey": ...}, given its permissions here;
+    the export of the public subjects and of the tenants' alert copies) and TENANTS (a user per
+    tenant, with a password, importing them; the gateway's among them, if in `tenant_passwords`
+    or `corral_users`)."""
     users = []
-    for identity, password in passwords.items():
+    for identity, cred in corral_users.items():
         if identity == EDGE:
             continue
-        user: dict[str, Any] = {"user": identity, "password": password}
+        user: dict[str, Any] = {"user": identity, **cred} if "password" in cred else dict(cred)
         perms = permissions(identity)
         if perms is not None:
             user["permissions"] = perms
@@ -163,10 +162,11 @@ def server_config(server: Server, peers: list[Server], passwords: dict[str, str]
         return {"user": name, "password": password, "permissions": {
             "publish": {"allow": [may_publish]}, "subscribe": {"allow": hears}}}
 
-    tenant_users = [tenant(name, password, public) for name, password in sorted(tenant_passwords.items())]
-    if EDGE in passwords:
-        tenant_users.append(tenant(EDGE, passwords[EDGE], f"{subjects.PREFIX}.sandbox.>"))
-    accounts: dict[str, Any] = {
+    tenant_users = [tenant(name, password, public) for name, password in sorted(tenant_passwords.items()) if name != EDGE]
+    edge = tenant_passwords.get(EDGE) or corral_users.get(EDGE, {}).get("password")
+    if edge:
+        tenant_users.append(tenant(EDGE, edge, f"{subjects.PREFIX}.sandbox.>"))
+    return {
         ACCOUNT: {"jetstream": "enabled", "users": users,
                   "exports": [{"service": public, "response_type": "stream", "response_threshold": "24h"},
                               {"stream": subjects.TENANT_ALERTS_ALL}]},
@@ -175,13 +175,23 @@ def server_config(server: Server, peers: list[Server], passwords: dict[str, str]
                           "imports": [{"service": {"account": ACCOUNT, "subject": public}, "share": True},
                                       {"stream": {"account": ACCOUNT, "subject": subjects.TENANT_ALERTS_ALL}}]},
     }
+
+
+def server_config(server: Server, peers: list[Server], passwords: dict[str, str], tenant_passwords: dict[str, str],
+                  pid_file: str, route_password: str = "") -> str:
+    """nats-server configuration: the listener, 8 MB payloads (files.write and exec output travel
+    base64/JSON-encoded in one message), JetStream, the CORRAL account with its users and its
+    export of the public subjects, and one account per tenant importing them; in a cluster, the
+    route listener and the routes to every peer (routes authenticate too: an unauthenticated
+    route would be a way around every account permission)."""
+    block = accounts({identity: {"password": password} for identity, password in passwords.items()}, tenant_passwords)
     text = (f"server_name: {json.dumps(server.name)}\nlisten: {json.dumps(server.listen)}\nmax_payload: 8MB\n"
             f"pid_file: {json.dumps(pid_file)}\njetstream {{ store_dir: {json.dumps(server.store)} }}\n")
     if server.cluster:
         routes = [f"nats://{ROUTE_USER}:{route_password}@{p.cluster}" for p in peers if p.name != server.name]
         text += "cluster " + json.dumps({"name": CLUSTER, "listen": server.cluster, "routes": routes,
                                          "authorization": {"user": ROUTE_USER, "password": route_password}}) + "\n"
-    return text + f"accounts: {json.dumps(accounts, indent=1)}\n"
+    return text + f"accounts: {json.dumps(block, indent=1)}\n"
 
 
 def _route_password(data_dir: str) -> str:
