@@ -13,6 +13,7 @@ from nats.errors import NoServersError
 
 from corral_common import auth
 from corral_common.contract import subjects
+from corral_sdk import stackauth
 
 
 async def _as(stack, identity: str):
@@ -77,12 +78,50 @@ async def test_hidden_tests_are_readable_only_by_the_env_builder(stack):
             assert await _refused(nc, errors, subjects.js_api("DIRECT.GET", subjects.kv_stream(subjects.KV_ENVS))), (identity, errors)
         finally:
             await nc.close()
-    nc, errors = await _as(stack, "env-builder")  # the control: the owner reads its bucket
+    # the control: the owner reads its bucket, in the catalog's own account, with its second identity
+    nc, errors = await _as(stack, stackauth.CATALOG)
     try:
         kv = await nc.jetstream().key_value(subjects.KV_ENVS)
         assert kv is not None and not await _violation(errors, info, timeout=0.5), errors
     finally:
         await nc.close()
+
+
+async def test_no_identity_of_the_shared_account_can_reach_the_catalog_sideways(stack):
+    """JetStream has no per-stream create or source rights: in an account holding the catalog, any
+    identity could make a stream of its own sourcing it and read the copy. The catalog is in no
+    such account: the operator, unrestricted in CORRAL, finds no catalog stream there, and a
+    stream sourcing one by name (made by a service identity) stays empty while the catalog has
+    entries."""
+    from nats.js.api import StreamConfig, StreamSource
+    from nats.js.errors import NotFoundError
+
+    cat, _ = await _as(stack, stackauth.CATALOG)
+    try:
+        kv = await cat.jetstream().key_value(subjects.KV_ENVS)
+        await kv.put("probe.v1", b'{"hidden": "answer"}')
+    finally:
+        await cat.close()
+    admin = await nats.connect(stack.url)
+    try:
+        with pytest.raises(NotFoundError):
+            await admin.jetstream().stream_info(subjects.kv_stream(subjects.KV_ENVS))
+    finally:
+        await admin.close()
+    nc, errors = await _as(stack, "scheduler")
+    js = nc.jetstream()
+    try:
+        await js.add_stream(StreamConfig(name="STEAL", subjects=[], sources=[StreamSource(name=subjects.kv_stream(subjects.KV_ENVS))]))
+        await asyncio.sleep(1.0)
+        assert (await js.stream_info("STEAL")).state.messages == 0
+    finally:
+        await js.delete_stream("STEAL")
+        await nc.close()
+    cat, _ = await _as(stack, stackauth.CATALOG)
+    try:
+        await (await cat.jetstream().key_value(subjects.KV_ENVS)).delete("probe.v1")
+    finally:
+        await cat.close()
 
 
 async def test_services_cannot_forge_heartbeats_audit_or_alerts_or_delete_audit(stack):

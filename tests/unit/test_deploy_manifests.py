@@ -225,9 +225,17 @@ def test_every_corral_container_authenticates_as_itself(tmp_path) -> None:
             mounted.add(secret["secretName"])
     assert mounted == {f"corral-nats-creds-{i}" for i in ("scheduler", "node-agent", "image-loader", "image-cache",
                                                             "monitor", "env-builder")}
+    # the catalog's identity: the env-builder's second, mounted by it alone
+    catalog = [(doc["metadata"]["name"], v) for _, doc in _objects() if doc["kind"] == "Deployment"
+               for v in doc["spec"]["template"]["spec"].get("volumes", [])
+               if v.get("secret", {}).get("secretName") == "corral-nats-creds-env-catalog"]
+    assert [name for name, _ in catalog] == ["env-builder"], catalog
+    builder = _find("Deployment", "env-builder")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "CORRAL_CATALOG_CREDS", "value": "/etc/corral/catalog/creds"} in builder["env"]
+    assert any(m["mountPath"] == "/etc/corral/catalog" and m["name"] == catalog[0][1]["name"] for m in builder["volumeMounts"])
     deployauth.render(str(tmp_path), routes=[f"nats-{i}.nats-headless:6222" for i in range(3)], k8s=True)
     made = {s["metadata"]["name"] for s in json.loads((tmp_path / "secrets.json").read_text())["items"]}
-    assert mounted | {"corral-nats-auth"} <= made
+    assert mounted | {"corral-nats-auth", "corral-nats-creds-env-catalog"} <= made
 
 
 def test_disruption_budgets_cover_scheduler_and_nats() -> None:
@@ -280,6 +288,8 @@ def test_compose_stack() -> None:
     for name, s in corral.items():  # each service authenticates as itself, with its own seed
         assert s["environment"]["CORRAL_NATS_CREDS"] == f"/etc/corral/auth/{name}.nk", name
         assert "corral-auth:/etc/corral/auth:ro" in s["volumes"], name
+        assert ("CORRAL_CATALOG_CREDS" in s["environment"]) == (name == "env-builder"), name
+    assert corral["env-builder"]["environment"]["CORRAL_CATALOG_CREDS"] == "/etc/corral/auth/env-catalog.nk"
     assert corral["scheduler"]["deploy"]["replicas"] == 2
     for name, s in corral.items():
         env = s["environment"]

@@ -19,6 +19,9 @@ from urllib.parse import unquote, urlsplit
 from . import config
 
 CREDS_ENV = "CORRAL_NATS_CREDS"
+# the env-builder's second identity, the only one in the environment catalog's own account
+# (hidden tests and solutions): unset on a bus without accounts, where the catalog shares the one
+CATALOG_CREDS_ENV = "CORRAL_CATALOG_CREDS"
 AUTH_DIR = "auth"  # under a stack's data dir: its nats config, and one credentials file per identity
 
 

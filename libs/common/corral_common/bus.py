@@ -35,10 +35,10 @@ _BUS_TRANSIENT: tuple[type[BaseException], ...] = (
 T = TypeVar("T")
 
 
-async def connect(url: str, name: str, **kw: Any) -> NATS:
+async def connect(url: str, name: str, creds: str | None = None, **kw: Any) -> NATS:
     """Connect with reconnects forever (services must outlive a NATS restart), as the identity
-    the environment's credentials name (auth.py)."""
-    kw = {**auth.connect_options(url), **kw}
+    `creds` names, else the environment's credentials (auth.py)."""
+    kw = {**auth.connect_options(url, creds), **kw}
     return await nats.connect(
         auth.servers(url),
         name=name,

@@ -13,7 +13,8 @@ Files written into DIR (mode 0600; keys and passwords already there are kept, so
 e.g. with one more `--tenant`, changes nothing else; reload the servers after):
   accounts.conf  `accounts { ... }`, included by every server's nats.conf
   cluster.conf   `cluster { ... }` with the routes (`--route host:port`, each server's), authenticated
-  <identity>.nk  nkey seeds of admin and every service
+  <identity>.nk  nkey seeds of admin, every service, and env-catalog (the env-builder's second
+                 identity, alone in the catalog's account: CORRAL_CATALOG_CREDS)
   <name>.creds   `name:password` of the gateway and of each tenant
   secrets.json   with `--k8s`: a List (kubectl apply -f) of the Secret `corral-nats-auth` (the two
                  .conf files, for the NATS pods) and one Secret `corral-nats-creds-<identity>` per
@@ -31,9 +32,9 @@ import nkeys
 from corral_common import tenancy
 from corral_common.contract.errors import InvalidRequest
 
-from .stackauth import CLUSTER, EDGE, OPERATOR, ROUTE_USER, SERVICES, accounts
+from .stackauth import CATALOG, CLUSTER, EDGE, OPERATOR, ROUTE_USER, SERVICES, accounts
 
-NKEY_IDENTITIES = (OPERATOR, *SERVICES)
+NKEY_IDENTITIES = (OPERATOR, *SERVICES, CATALOG)
 
 
 def _write(path: str, text: str) -> None:

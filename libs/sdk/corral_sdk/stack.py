@@ -122,6 +122,8 @@ class Stack:
         env = dict(os.environ)
         if identity is not None and self.passwords:
             env[auth.CREDS_ENV] = auth.creds_path(identity, self.data_dir)
+            if identity == "env-builder":  # and its identity in the catalog's own account
+                env[auth.CATALOG_CREDS_ENV] = auth.creds_path(stackauth.CATALOG, self.data_dir)
         if identity is not None and self.servers:
             env[config.REPLICAS_ENV] = str(self.js_replicas)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)

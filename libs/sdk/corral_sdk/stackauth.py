@@ -42,6 +42,9 @@ from corral_common.contract.operations import BUCKETS, CHANNELS
 ACCOUNT = "CORRAL"
 SERVICES = ("scheduler", "node-agent", "image-cache", "image-loader", "monitor", "env-builder")
 EDGE = "gateway"  # a user of the TENANTS account, with tenant rights on its own sandboxes only
+# the env-builder's catalog identity, alone in the account that holds the environment catalog
+CATALOG = "env-catalog"
+CATALOG_ACCOUNT = "CORRAL_CATALOG"
 OPERATOR = "admin"
 # the services that also publish a channel the contract gives to another (image loaders audit
 # their own fetches under the node's audit subjects)
@@ -82,7 +85,7 @@ def ensure_credentials(data_dir: str) -> dict[str, str]:
     os.makedirs(d, mode=0o700, exist_ok=True)
     os.chmod(d, 0o700)
     out: dict[str, str] = {}
-    for identity in (OPERATOR, *SERVICES, EDGE):
+    for identity in (OPERATOR, *SERVICES, EDGE, CATALOG):
         path = auth.creds_path(identity, data_dir)
         try:
             with open(path) as f:
@@ -142,18 +145,23 @@ class Server:
 def accounts(corral_users: dict[str, dict[str, Any]], tenant_passwords: dict[str, str]) -> dict[str, Any]:
     """The nats-server `accounts` block: CORRAL (JetStream; each identity's user, `corral_users`:
     identity -> its credentials, {"password": ...} or {"nkey": ...}, given its permissions here;
-    the export of the public subjects and of the tenants' alert copies) and TENANTS (a user per
+    the export of the public subjects and of the tenants' alert copies), TENANTS (a user per
     tenant, with a password, importing them; the gateway's among them, if in `tenant_passwords`
-    or `corral_users`)."""
+    or `corral_users`) and CORRAL_CATALOG (JetStream, the env-builder's catalog identity alone,
+    exporting nothing: the hidden tests are in no account another identity is in, so none can
+    read them, not even through a stream of its own sourcing the catalog's)."""
+    def user(identity: str, cred: dict[str, Any]) -> dict[str, Any]:
+        return {"user": identity, **cred} if "password" in cred else dict(cred)
+
     users = []
     for identity, cred in corral_users.items():
-        if identity == EDGE:
+        if identity in (EDGE, CATALOG):
             continue
-        user: dict[str, Any] = {"user": identity, **cred} if "password" in cred else dict(cred)
+        entry = user(identity, cred)
         perms = permissions(identity)
         if perms is not None:
-            user["permissions"] = perms
-        users.append(user)
+            entry["permissions"] = perms
+        users.append(entry)
     # stream responses: exec with `stream` answers several messages to one request; the threshold
     # bounds how long a reply route stays open (the longest exec allowed, 24 h)
     public = f"{subjects.PREFIX}.>"
@@ -166,7 +174,9 @@ def accounts(corral_users: dict[str, dict[str, Any]], tenant_passwords: dict[str
     edge = tenant_passwords.get(EDGE) or corral_users.get(EDGE, {}).get("password")
     if edge:
         tenant_users.append(tenant(EDGE, edge, f"{subjects.PREFIX}.sandbox.>"))
+    catalog = [user(CATALOG, corral_users[CATALOG])] if CATALOG in corral_users else []
     return {
+        CATALOG_ACCOUNT: {"jetstream": "enabled", "users": catalog},
         ACCOUNT: {"jetstream": "enabled", "users": users,
                   "exports": [{"service": public, "response_type": "stream", "response_threshold": "24h"},
                               {"stream": subjects.TENANT_ALERTS_ALL}]},

@@ -1,9 +1,11 @@
 """`python -m corral_env_builder`: run one env-builder replica."""
 from __future__ import annotations
 
+import os
+
 import typer
 
-from corral_common import config, logs
+from corral_common import auth, config, logs
 from corral_common.lifecycle import run_until_signalled
 
 from .service import EnvBuilder, EnvBuilderConfig
@@ -26,7 +28,8 @@ def main(
     logs.setup("env-builder", log_level)
     cfg = EnvBuilderConfig(nats_url=config.nats_url(nats), metrics_host=metrics_host, metrics_port=metrics_port,
                            parallel_builds=parallel_builds, files_roots=list(files_root), per_job_concurrent=per_job_concurrent,
-                           per_job_per_minute=per_job_per_minute, max_backlog=max_backlog)
+                           per_job_per_minute=per_job_per_minute, max_backlog=max_backlog,
+                           catalog_creds=os.environ.get(auth.CATALOG_CREDS_ENV, ""))
 
     run_until_signalled(lambda stop: EnvBuilder(cfg).run(stop))  # built inside the loop
 

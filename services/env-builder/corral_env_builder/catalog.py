@@ -5,6 +5,7 @@ racing on the next version of one name never both take it; a failed build releas
 stored includes the protected content (hidden tests, solution); only EnvRecord leaves the builder."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import Literal
 
@@ -12,12 +13,14 @@ import msgspec
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from corral_common import bus
+from corral_common import bus, logs
 from corral_common.contract import subjects
 from corral_common.contract.envs import EnvRecord, Solution
 from corral_common.contract.errors import Conflict, NotFound
 
 from .testrun import RunnerPlan
+
+log = logging.getLogger("corral.env-builder")
 
 STALE_BUILD_S = 3 * 3600  # a reservation older than this belongs to a builder that died mid-build
 
@@ -49,8 +52,36 @@ class EnvCatalog:
         self.kv = kv
 
     @classmethod
-    async def open(cls, js) -> EnvCatalog:
-        return cls(await bus.ensure_kv(js, subjects.KV_ENVS, history=1))
+    async def open(cls, js, moved_from=None) -> EnvCatalog:
+        """The catalog in `js`'s account; with `moved_from` (the account it was kept in before it
+        had one of its own), what is still there is moved over first, then that bucket deleted."""
+        cat = cls(await bus.ensure_kv(js, subjects.KV_ENVS, history=1))
+        if moved_from is not None:
+            await cat._move_from(moved_from)
+        return cat
+
+    async def _move_from(self, js) -> None:
+        try:
+            old = await js.key_value(subjects.KV_ENVS)
+        except Exception:  # noqa: BLE001 - no old bucket (or no right to it): nothing to move
+            return
+        moved = 0
+        for k in await bus.kv_keys(old):
+            try:
+                e = await old.get(k)
+            except (KeyNotFoundError, KeyDeletedError):
+                continue
+            if e is not None and e.value:
+                try:
+                    await self.kv.create(k, e.value)
+                    moved += 1
+                except KeyWrongLastSequenceError:
+                    pass  # already in the new catalog: it wins
+        try:
+            await js.delete_key_value(subjects.KV_ENVS)
+        except Exception:  # noqa: BLE001 - another replica moved it at the same time
+            pass
+        logs.kv(log, logging.WARNING, "environment catalog moved into its own account", entries=moved)
 
     async def _keys(self) -> list[str]:
         return [k for k in await bus.kv_keys(self.kv) if not k.endswith("._latest")]

@@ -53,6 +53,7 @@ class EnvBuilderConfig(msgspec.Struct, kw_only=True):
     per_job_concurrent: int = 2
     per_job_per_minute: float = 30.0
     max_backlog: int = 64
+    catalog_creds: str = ""  # credentials of the catalog's own account (auth.CATALOG_CREDS_ENV)
 
 
 class EnvBuilder:
@@ -67,7 +68,14 @@ class EnvBuilder:
         self.nc = await bus.connect(self.cfg.nats_url, name="corral-env-builder")
         self.js = self.nc.jetstream()
         await bus.ensure_streams(self.js)
-        self.catalog = await EnvCatalog.open(self.js)
+        # the catalog (hidden tests, solutions) lives in an account of its own, which only this
+        # service's catalog identity joins; without one (a bus without accounts) it is here
+        self.catalog_nc = None
+        catalog_js = self.js
+        if self.cfg.catalog_creds:
+            self.catalog_nc = await bus.connect(self.cfg.nats_url, name="corral-env-catalog", creds=self.cfg.catalog_creds)
+            catalog_js = self.catalog_nc.jetstream()
+        self.catalog = await EnvCatalog.open(catalog_js, moved_from=self.js if catalog_js is not self.js else None)
         self.client = await AsyncClient.connect(nc=self.nc)
         self.builder = Builder(self.client, self.catalog, BuildConfig(self.cfg.files_roots))
         self.grader = Grader(self.client, self.catalog)
@@ -84,6 +92,8 @@ class EnvBuilder:
         await stop.wait()
         await self.responder.drain(timeout=60)
         await self.nc.drain()
+        if self.catalog_nc is not None:
+            await self.catalog_nc.drain()
 
     async def _on_build(self, msg: Msg) -> EnvBuildReply:
         req = bus.decode(msg.data, EnvBuildRequest)
