@@ -33,16 +33,9 @@ from corral_common import tenancy
 from corral_common.contract.errors import InvalidRequest
 
 from .stackauth import CATALOG, CLUSTER, EDGE, OPERATOR, ROUTE_USER, SERVICES, accounts
+from .stackauth import write_private as _write
 
 NKEY_IDENTITIES = (OPERATOR, *SERVICES, CATALOG)
-
-
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _read(path: str) -> str:

@@ -107,7 +107,7 @@ def _auth_dir(data_dir: str) -> str:
     return os.path.join(data_dir, auth.AUTH_DIR)
 
 
-def _write_private(path: str, text: str) -> None:
+def write_private(path: str, text: str) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -129,7 +129,7 @@ def tenants(data_dir: str) -> dict[str, str]:
 
 
 def _save_tenants(data_dir: str, table: dict[str, str]) -> None:
-    _write_private(os.path.join(_auth_dir(data_dir), "tenants.json"), json.dumps(table, indent=1, sort_keys=True))
+    write_private(os.path.join(_auth_dir(data_dir), "tenants.json"), json.dumps(table, indent=1, sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def _route_password(data_dir: str) -> str:
     except FileNotFoundError:
         pass
     secret = secrets.token_urlsafe(24)
-    _write_private(path, secret + "\n")
+    write_private(path, secret + "\n")
     return secret
 
 
@@ -241,13 +241,13 @@ def write_server_config(data_dir: str, servers: list[Server] | None = None) -> l
     if servers is None:
         servers = _saved_servers(data_dir)
     else:
-        _write_private(os.path.join(d, "server.json"), json.dumps({"servers": [asdict(s) for s in servers]}))
+        write_private(os.path.join(d, "server.json"), json.dumps({"servers": [asdict(s) for s in servers]}))
     passwords, table = ensure_credentials(data_dir), tenants(data_dir)
     route_password = _route_password(data_dir) if len(servers) > 1 else ""
     paths = []
     for server in servers:
         conf = os.path.join(d, _conf_name(server, len(servers), "conf"))
-        _write_private(conf, server_config(server, servers, passwords, table, os.path.join(d, _conf_name(server, len(servers), "pid")),
+        write_private(conf, server_config(server, servers, passwords, table, os.path.join(d, _conf_name(server, len(servers), "pid")),
                                            route_password))
         paths.append(conf)
     return paths
@@ -284,7 +284,7 @@ def add_tenant(data_dir: str, name: str) -> str:
         raise Conflict(f"tenant {name!r} exists (revoke it first to issue new credentials)")
     table[name] = secrets.token_urlsafe(24)
     os.makedirs(os.path.dirname(tenant_creds_path(data_dir, name)), mode=0o700, exist_ok=True)
-    _write_private(tenant_creds_path(data_dir, name), f"{name}:{table[name]}\n")
+    write_private(tenant_creds_path(data_dir, name), f"{name}:{table[name]}\n")
     _save_tenants(data_dir, table)
     write_server_config(data_dir)
     reload(data_dir)
