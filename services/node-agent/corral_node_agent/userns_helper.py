@@ -23,6 +23,7 @@ from . import userns
 
 PR_SET_PDEATHSIG = 1
 SOCKET_FD = 3  # the helper's end, as it is started
+REPLY_TIMEOUT_S = 10.0
 
 
 def serve(sock: socket.socket) -> None:
@@ -69,6 +70,7 @@ class Helper:
                                          stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+        ours.settimeout(REPLY_TIMEOUT_S)  # a helper that hangs is replaced, never waited on forever
         self.sock = ours
 
     def make(self, base: int, netns: bool = False) -> tuple[int, int | None]:
