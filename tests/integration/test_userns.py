@@ -49,6 +49,10 @@ async def test_each_sandbox_root_is_its_own_unprivileged_host_uid(stack, client)
             assert uids == [base] * 4 and gids == [base] * 4, (uids, gids)
             bases.append(base)
         assert bases[0] != bases[1], "two sandboxes share a host uid range"
+        # the namespace's own per-uid limits (userns.USERNS_LIMITS): no nested user namespace
+        r = await a.exec("cat /proc/sys/user/max_user_namespaces /proc/sys/user/max_inotify_instances "
+                         "/proc/sys/user/max_inotify_watches")
+        assert r.stdout.split() == ["0", "64", "65536"], r
         # the harness uid is inside the range too
         r = await a.exec("cat /proc/self/status | grep ^Uid; id -u", harness=True)
         assert r.stdout.splitlines()[-1] == "64222", r
@@ -141,19 +145,22 @@ async def test_an_escaped_sandbox_root_is_an_unprivileged_host_user(stack, sandb
 
 
 async def test_a_sandbox_spending_a_per_uid_budget_spends_only_its_own(client, sandbox):
-    """The attack the issue measured, on a budget nothing caps per sandbox: inotify watches count
-    per uid (fs.inotify.max_user_watches, charged up to the owner of the sandbox's user namespace).
-    A sandbox watching until the kernel refuses (ENOSPC) leaves host root and a neighbour sandbox
-    their own budgets; before, every sandbox and host root shared uid 0's."""
+    """The attack the issue measured, on a per-uid budget: inotify watches count per uid, in the
+    sandbox's user namespace (its own limit) and up to the namespace's owner (the range) against
+    the host's fs.inotify.max_user_watches. A sandbox watching until the kernel refuses (ENOSPC)
+    leaves host root and a neighbour sandbox their own budgets; before, every sandbox and host root
+    shared uid 0's."""
     import ctypes
 
     from .test_audit_sources import static_binary
 
+    # the sandbox's own per-uid limit (userns.USERNS_LIMITS), below the host's
+    budget = int((await sandbox.exec("cat /proc/sys/user/max_inotify_watches")).stdout)
     with open("/proc/sys/fs/inotify/max_user_watches") as f:
-        budget = int(f.read())
-    instances = 60  # under the agent's per-sandbox cap on inotify instances (64)
+        assert budget <= int(f.read())
+    instances = 60  # under the per-sandbox cap on inotify instances (64)
     files = budget // instances + 100
-    assert files <= 200_000, f"fs.inotify.max_user_watches={budget} is too large to spend in a test"
+    assert files <= 200_000, f"max_inotify_watches={budget} is too large to spend in a test"
     await sandbox.files.write("/tmp/iw", static_binary("inotify_watches.c"), mode=0o755)
     await sandbox.exec(f"/tmp/iw /tmp/w {files} {instances} hold > /tmp/iw.out 2>&1 &", timeout_s=60)
     out = ""

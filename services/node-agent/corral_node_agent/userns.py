@@ -163,7 +163,7 @@ def make_userns(base: int, netns: bool = False) -> tuple[int, int | None]:
             os.close(go_w)
             os.setresgid(base, base, base)
             os.setresuid(base, base, base)
-            if _libc.unshare(CLONE_NEWUSER) == 0:
+            if _libc.unshare(CLONE_NEWUSER) == 0 and _lower_limits():
                 os.write(ready_w, b"u")
                 if os.read(go_r, 1) == b"n":  # maps written: root in the namespace now
                     if _libc.unshare(CLONE_NEWNET) == 0 and _lo_up():
@@ -197,6 +197,26 @@ def make_userns(base: int, netns: bool = False) -> tuple[int, int | None]:
         os.close(go_w)
         os.close(ready_r)
         os.waitpid(pid, 0)
+
+
+#: per-uid limits inside every sandbox's user namespace (/proc/sys/user/*, which its root, with
+#: CAP_SYS_RESOURCE there, may set for it: the child sets them right after unsharing). The kernel
+#: also charges the same counts up to the namespace's owner (the range), against the host's limits.
+#: No nested user namespaces (seccomp refuses creating them too); inotify instances as
+#: audit/budgets.py INOTIFY_PER_SANDBOX, and watches at a third of a common host default, per uid.
+#: runc's own namespaces (mount, pid, ...) are made in this namespace: those counts stay as they are.
+USERNS_LIMITS = {"max_user_namespaces": 0, "max_inotify_instances": 64, "max_inotify_watches": 65536}
+
+
+def _lower_limits() -> bool:
+    """(In the child, as root of the new namespace.)"""
+    try:
+        for name, value in USERNS_LIMITS.items():
+            with open(f"/proc/sys/user/{name}", "w") as f:
+                f.write(str(value))
+        return True
+    except OSError:
+        return False
 
 
 def _lo_up() -> bool:
