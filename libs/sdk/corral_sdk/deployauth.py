@@ -26,8 +26,9 @@ import base64
 import json
 import os
 import secrets
+from typing import Any
 
-import nkeys
+import nkeys  # type: ignore[import-untyped]  # (no type information shipped)
 
 from corral_common import tenancy
 from corral_common.contract.errors import InvalidRequest
@@ -57,7 +58,8 @@ def user_seed(out: str, identity: str) -> str:
 
 
 def public_key(seed: str) -> str:
-    return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+    key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+    return key.decode()
 
 
 def password(out: str, name: str) -> str:
@@ -103,7 +105,7 @@ def render(out: str, tenants: list[str] | tuple[str, ...] = (), routes: list[str
 
 
 def k8s_secrets(out: str, identities: list[str]) -> str:
-    def secret(name: str, data: dict[str, str]) -> dict:
+    def secret(name: str, data: dict[str, str]) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                 "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "corral"}},
                 "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
