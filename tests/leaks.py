@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from corral_common import config
+
 CG_ROOT = "/sys/fs/cgroup"
 
 
@@ -106,7 +108,7 @@ def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
     }
 
 
-UID_CLAIMS = "/run/corral/uid-ranges"  # services/node-agent .../userns.py CLAIMS_DIR
+UID_CLAIMS = config.UID_RANGES_DIR
 
 
 def uid_ranges_of(owner: str) -> list[int]:

@@ -147,6 +147,7 @@ async def test_stack_stop_leaves_nothing_of_a_node_agent_killed_for_good():
     finally:
         await stack.stop()
     assert not _procs_in(parent) and not cgroups_under(parent), cgroups_under(parent)
+    assert not uid_ranges_of(f"{stack.data_dir}/nodes/node-1/sandboxes"), "claims of the killed agent's sandboxes"
     assert not [d for d in os.listdir("/sys/fs/cgroup") if os.path.isdir(f"/sys/fs/cgroup/{d}/{parent}")]
     assert not mounts_under(stack.data_dir)
     assert sbs

@@ -9,6 +9,9 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 # how many copies JetStream keeps of each stream, KV bucket and object store a service creates: 1
 # on one server, 3 on a cluster (set for every service of a cluster deployment)
 REPLICAS_ENV = "CORRAL_JS_REPLICAS"
+# host uid ranges claimed by sandboxes' user namespaces, one file per range holding the claiming
+# node-agent's sandboxes dir (node-agent userns.py claims them; a stopped stack's are swept)
+UID_RANGES_DIR = "/run/corral/uid-ranges"
 
 
 def nats_url(explicit: str | None = None) -> str:

@@ -391,6 +391,7 @@ class Stack:
         self.procs.clear()
         self._sweep_cgroups()
         self._sweep_mounts()
+        stackguard.sweep_uid_ranges(self.data_dir)
         await self._stop_guard()
 
     def _sweep_cgroups(self) -> None:

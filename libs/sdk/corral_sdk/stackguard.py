@@ -109,6 +109,27 @@ def sweep_mounts(data_dir: str) -> None:
             pass  # unmounted meanwhile (a parent's detach took it along)
 
 
+def sweep_uid_ranges(data_dir: str) -> None:
+    """Safety net like sweep_mounts: the host uid ranges a node-agent killed for good still
+    claimed for its sandboxes (files naming a dir of this stack) are released."""
+    from corral_common import config
+
+    root = os.path.abspath(data_dir) + os.sep
+    try:
+        names = os.listdir(config.UID_RANGES_DIR)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(config.UID_RANGES_DIR, name)
+        try:
+            with open(path) as f:
+                owner = f.readline().strip()
+            if owner.startswith(root):
+                os.unlink(path)
+        except OSError:
+            continue
+
+
 class Tracked:
     def __init__(self, pid: int, name: str, fd: int):
         self.pid = pid
@@ -169,6 +190,7 @@ def watch(stream: Iterable[bytes], data_dir: str, nodes: int, timeout: float, re
     stop_all(procs, timeout)
     sweep_cgroups(data_dir, nodes)
     sweep_mounts(data_dir)
+    sweep_uid_ranges(data_dir)
     if remove_data_dir:
         shutil.rmtree(data_dir, ignore_errors=True)
     log("stack stopped")

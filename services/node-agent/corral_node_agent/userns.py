@@ -30,14 +30,14 @@ import struct
 import time
 from collections.abc import Iterator
 
-from corral_common import linux
+from corral_common import config, linux
 
 from .oci import USERNS_RANGE as RANGE
 
 #: systemd's range for container uids (0x00080000..0x6FFFFFFF): not handed to users or services
 FIRST_BASE = 0x00080000
 LAST_BASE = 0x6FFF0000 - RANGE
-CLAIMS_DIR = "/run/corral/uid-ranges"
+CLAIMS_DIR = config.UID_RANGES_DIR
 #: a sandbox's host uid base, kept in its state dir (it moves with a warm-pool claim's rename)
 BASE_FILE = "uid-base"
 
