@@ -189,3 +189,28 @@ async def test_a_sandbox_spending_a_per_uid_budget_spends_only_its_own(client, s
         assert r.stdout.strip() == "watches=100 enospc=0", r
     finally:
         await other.destroy()
+
+
+async def test_package_managers_work_as_the_sandbox_root(client):
+    """dpkg and apt install into the image's root as the sandbox's root (files root-owned inside,
+    uid 0 on disk). apt must not switch to its `_apt` download user (the sandbox's processes have
+    no capabilities, with or without a user namespace): APT::Sandbox::User=root."""
+    sb = await client.create(image="debian", memory_mb=512, disk_mb=1024)
+    try:
+        r = await sb.exec(["bash", "-c", r"""set -e
+mkdir -p /tmp/pkg/DEBIAN /tmp/pkg/usr/local/bin
+printf 'Package: corralprobe\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@example.com>\nDescription: probe\n' \
+  > /tmp/pkg/DEBIAN/control
+printf '#!/bin/sh\necho probe-ok\n' > /tmp/pkg/usr/local/bin/corralprobe
+chmod 755 /tmp/pkg/usr/local/bin/corralprobe
+dpkg-deb --build /tmp/pkg /tmp/corralprobe.deb >/dev/null
+dpkg -i /tmp/corralprobe.deb >/dev/null
+corralprobe; stat -c '%u:%g' /usr/local/bin/corralprobe
+apt-get -o APT::Sandbox::User=root remove -y -q corralprobe >/dev/null
+test ! -e /usr/local/bin/corralprobe && echo removed
+apt-get -o APT::Sandbox::User=root install -y -q /tmp/corralprobe.deb >/dev/null 2>&1
+corralprobe
+"""], timeout_s=120)
+        assert r.exit_code == 0 and r.stdout.split() == ["probe-ok", "0:0", "removed", "probe-ok"], r
+    finally:
+        await sb.destroy()
