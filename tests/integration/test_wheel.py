@@ -104,7 +104,7 @@ def test_the_wheel_ships_the_init_source(wheel: str):
     assert "corral_node_agent/init/corral-init.c" in names
     base = [line.split(":", 1)[1].strip() for line in meta.splitlines()
             if line.startswith("Requires-Dist:") and "extra ==" not in line]
-    assert sorted(b.split(">")[0].split("=")[0] for b in base) == ["msgspec", "nats-py", "prometheus-client", "rich", "typer"], base
+    assert sorted(b.split(">")[0].split("=")[0] for b in base) == ["msgspec", "nats-py", "nkeys", "prometheus-client", "rich", "typer"], base
 
 
 # run by the base venv's python: everything of the SDK and the contract imports, nothing heavy comes
