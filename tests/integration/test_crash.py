@@ -3,6 +3,7 @@ working, half-made leftovers are cleaned, events say what happened, nothing is o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -101,6 +102,57 @@ async def test_kill9_node_agent_then_restart():
         await keep.destroy()
         await nc.close()
         await c.close()
+
+
+async def test_a_call_while_the_node_agent_is_down_gets_unavailable_and_a_paused_one_still_answers():
+    """A plain nats-py client calls a sandbox whose node-agent is down (killed, not yet declared
+    lost): the scheduler answers `unavailable` as soon as the node's heartbeats are overdue and
+    no agent answers the node's ping, instead of leaving the call to the client's timeout. A
+    paused agent (SIGSTOP) keeps its subscriptions and answers when resumed: no `unavailable`."""
+    async with running_stack(nodes=1, monitor=False, env_builder=False) as stack:
+        c = await AsyncClient.connect(stack.url)
+        sb = await c.create(image="busybox", cpu=0.1, memory_mb=32)
+        nc = await nats.connect(stack.url)
+        subject = subjects.sandbox_op(sb.id, "exec")
+        agent = stack.proc("node-1").popen
+        try:
+            os.kill(agent.pid, signal.SIGSTOP)
+            call = asyncio.ensure_future(nc.request(subject, json.dumps({"cmd": "echo resumed"}).encode(), timeout=30))
+            await asyncio.sleep(3.5)  # heartbeats overdue: the scheduler pings, the paused agent cannot answer it
+            os.kill(agent.pid, signal.SIGCONT)
+            body = json.loads((await call).data)
+            assert body["ok"] is True and body["result"]["stdout"] == "resumed\n", body
+
+            agent.send_signal(signal.SIGKILL)
+            agent.wait()
+            replies: list[dict] = []
+            inbox = nc.new_inbox()
+
+            async def on_reply(m) -> None:
+                replies.append(json.loads(m.data))
+
+            await nc.subscribe(inbox, cb=on_reply)
+            await nc.publish(subject, json.dumps({"cmd": "echo lost"}).encode(), reply=inbox)
+            for _ in range(150):  # 15 s: the client's own timeout for this call would be ~70 s
+                if replies:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            assert len(replies) == 1, replies  # one answer, from the scheduler
+            err = replies[0]
+            assert err["ok"] is False and err["error"]["code"] == "unavailable", err
+            assert "node-1" in err["error"]["message"] and "not running" in err["error"]["message"], err
+
+            stack.restart("node-1")
+            await _wait_node(stack.url, "node-1")
+            r = await sb.exec("echo back")  # adopted by the new agent
+            assert r.stdout == "back\n", r
+            await sb.destroy()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent.pid, signal.SIGCONT)
+            await nc.close()
+            await c.close()
 
 
 async def test_sandbox_that_dies_on_its_own_is_reported_and_cleaned(stack, client):

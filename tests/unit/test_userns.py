@@ -37,6 +37,27 @@ def test_claims_are_unique_released_and_swept(tmp_path):
     assert set(mine.owned()) == {bases[1]}
 
 
+def test_stack_sweep_releases_its_own_claims_and_those_of_gone_dirs(tmp_path, monkeypatch):
+    """Stack.stop and the stack guard (stackguard.sweep_uid_ranges): claims naming a dir of the
+    stopped stack go, and so do claims whose owner dir no longer exists (a stack removed without
+    its sweep); a live owner elsewhere keeps its claim."""
+    from corral_common import config
+    from corral_sdk import stackguard
+
+    claims = tmp_path / "claims"
+    monkeypatch.setattr(config, "UID_RANGES_DIR", str(claims))
+    data, gone, live = tmp_path / "stack", tmp_path / "gone", tmp_path / "live"
+    for d in (data / "nodes/node-1/sandboxes", gone, live):
+        d.mkdir(parents=True)
+    ours = userns.UidRanges(str(data / "nodes/node-1/sandboxes"), str(claims)).claim("sb-a")
+    stale = userns.UidRanges(str(gone), str(claims)).claim("sb-b")
+    kept = userns.UidRanges(str(live), str(claims)).claim("sb-c")
+    gone.rmdir()
+    stackguard.sweep_uid_ranges(str(data))
+    assert sorted(int(n) for n in os.listdir(claims)) == [kept]
+    assert ours != stale
+
+
 def test_claim_for_records_the_base_in_the_state_dir(tmp_path):
     r = userns.UidRanges(str(tmp_path), str(tmp_path / "claims"))
     sdir = tmp_path / "sb"

@@ -111,7 +111,9 @@ def sweep_mounts(data_dir: str) -> None:
 
 def sweep_uid_ranges(data_dir: str) -> None:
     """Safety net like sweep_mounts: the host uid ranges a node-agent killed for good still
-    claimed for its sandboxes (files naming a dir of this stack) are released."""
+    claimed for its sandboxes (files naming a dir of this stack) are released, and so are claims
+    whose owner dir is gone (of a stack whose data dir was removed without this sweep), as a
+    node-agent's start-up does."""
     from corral_common import config
 
     root = os.path.abspath(data_dir) + os.sep
@@ -124,7 +126,7 @@ def sweep_uid_ranges(data_dir: str) -> None:
         try:
             with open(path) as f:
                 owner = f.readline().strip()
-            if owner.startswith(root):
+            if owner.startswith(root) or (owner and not os.path.isdir(owner)):
                 os.unlink(path)
         except OSError:
             continue

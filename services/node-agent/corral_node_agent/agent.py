@@ -131,6 +131,9 @@ class NodeAgent:
         # the scheduler declared this node lost (it missed our heartbeats: paused, overloaded,
         # restarting) and deleted our placements: write back those of the sandboxes still alive
         await self.heartbeats.listen()
+        # before the first sandbox subscription (adopted ones' in reconcile): a ping's serving_s
+        # then never claims more than the truth
+        self.heartbeats.serving_since = time.monotonic()
         await self.lifecycle.reconcile()
         self.heartbeats.adopted = self.lifecycle.adopted  # their placements are checked after the first heartbeat
         await clean_claims(self.state_dir, self.table, self.placements, events)  # batch claims a killed predecessor never finished
@@ -201,4 +204,5 @@ class NodeAgent:
             await asyncio.sleep(0.2)
 
     async def _on_ping(self, msg: Msg) -> NodePingReply:
-        return NodePingReply(node=self.node, sandboxes=len(self.table.sandboxes))
+        hb = self.heartbeats
+        return NodePingReply(node=self.node, sandboxes=len(self.table.sandboxes), incarnation=hb.incarnation, serving_s=hb.serving_s())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +54,11 @@ class Heartbeats:
         self.adopted = 0  # sandboxes adopted at start (their placements are checked after the first heartbeat)
         self.write_back_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
+        self.incarnation = uuid.uuid4().hex[:12]  # this process's, in every heartbeat and ping
+        self.serving_since: float | None = None  # monotonic: from here on, sandboxes' subjects are served
+
+    def serving_s(self) -> float:
+        return 0.0 if self.serving_since is None else time.monotonic() - self.serving_since
 
     async def listen(self) -> None:
         """Hear the scheduler declare this node lost (before sandboxes are adopted)."""
@@ -128,7 +134,7 @@ class Heartbeats:
                             requested_cpu=cpu, requested_memory_mb=mem,
                             pooled=pool.count() if pool else 0, per_sandbox=self.observed.per_sandbox, per_sandbox_omitted=self.observed.omitted),
             substrates=list(self.table.substrates), metrics_url=self.metrics_url, stopping=stopping,
-            warm=pool.by_image() if pool else {},
+            warm=pool.by_image() if pool else {}, incarnation=self.incarnation,
         )
         # published, not flushed with a PING round trip: nats-py (2.16) cancels a flush's future on
         # its timeout, and the PONG arriving after that raises InvalidStateError in the client's

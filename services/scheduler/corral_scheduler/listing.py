@@ -1,17 +1,22 @@
 """Answers about sandboxes as a whole: `corral.v1.sandbox.list`, and the `not_found` answer to a
-call on a sandbox no node owns, so a raw NATS client gets a JSON reply instead of a bare "no
-responders" status."""
+call on a sandbox no node owns (or `unavailable`, to one whose node-agent is down), so a raw NATS
+client gets a JSON reply instead of a bare "no responders" status or a silent timeout."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from corral_common import bus, tenancy
-from corral_common.contract.envelope import error
+from corral_common.contract import subjects
+from corral_common.contract.envelope import decode_reply, error
+from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import ListRequest
-from corral_common.contract.replies import SandboxListReply
+from corral_common.contract.replies import NodePingReply, SandboxListReply
 
 from .placements import Placements
 from .registry import Registry
@@ -20,6 +25,9 @@ ORPHAN_CONCURRENCY = 512  # decisions in flight; beyond, calls wait their turn i
 # when a call on a sandbox placed on a live node is looked at again, in case the sandbox was
 # destroyed just before (its placement gone from the bucket, not yet from this replica's table)
 RECHECK_AFTER_S = (0.5, 2.5)
+OVERDUE_BEATS = 3  # heartbeat intervals without one before a node's agent is asked whether it still runs
+# a node-agent stopping on request finishes the calls it holds within its drain timeout (5 s)
+DRAIN_GRACE_S = 6.0
 
 
 class Listing:
@@ -110,11 +118,18 @@ class Listing:
             await self.nc.publish(msg.reply, error(
                 "not_found", f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"))
             return
-        if self.registry.is_alive(node):
+        st = self.registry.nodes.get(node)
+        if self.registry.is_alive(node) or (st is not None and st.hb.stopping and self.registry.recent(node)):
             # owned by a live node: it answers. Unless the sandbox was destroyed an instant ago and
             # its placement's delete is still on the way to this replica's watch: look again later
             if info is not None:
                 asyncio.get_running_loop().call_later(RECHECK_AFTER_S[0], self._recheck, msg, sid, 0)
+            # or its agent is down (restarting: killed, or stopping with its sandboxes kept), when
+            # nothing holds the sandbox's subject and the call would go unanswered
+            if st is not None:
+                heard = time.monotonic()
+                due = max(0.0, st.seen + OVERDUE_BEATS * st.interval - heard)
+                asyncio.get_running_loop().call_later(due, self._spawn_check, msg, sid, node, st.hb.incarnation, heard)
             return
         # the node looks lost, but it may only have been paused or slow and be answering right
         # now, its next heartbeat on the way: give it one heartbeat interval before saying no
@@ -125,3 +140,45 @@ class Listing:
         if now_info is not None and now_info.node != node and self.registry.is_alive(now_info.node):
             return
         await self.nc.publish(msg.reply, error("not_found", f"sandbox {sid!r} was on node {node}, which is lost (no heartbeat)"))
+
+    def _spawn_check(self, msg: Msg, sid: str, node: str, incarnation: str, heard: float) -> None:
+        st = self.registry.nodes.get(node)
+        if st is None or (st.seen > heard and st.hb.incarnation == incarnation and not st.hb.stopping):
+            return  # the same agent process beat before and after the call: it held the subject throughout
+        info = self.placements.get(sid)
+        if info is None or info.node != node:
+            return  # destroyed or moved meanwhile: the other checks answer for it
+        t = asyncio.create_task(self._answer_if_agent_missed(msg, sid, node, incarnation, heard, st.hb.stopping))
+        self.orphan_tasks.add(t)
+        t.add_done_callback(self.orphan_tasks.discard)
+
+    async def _answer_if_agent_missed(self, msg: Msg, sid: str, node: str, incarnation: str, heard: float, stopping: bool) -> None:
+        """Answer `unavailable` for a call no node-agent process can have taken: none serves the
+        node now, or the one serving began after the call was heard here (the bus routed the call
+        before this replica heard it). A process that answers and was serving before stays the
+        one to answer; so does a node that does not answer a ping at all (paused: its
+        subscriptions stand)."""
+        sent = time.monotonic()
+        try:
+            resp = await self.nc.request(subjects.node_ping(node), b"{}", timeout=1.0)
+        except NoRespondersError:
+            if stopping:
+                # stopped on request: it finishes the calls it took before it lets go of the bus;
+                # ask again once it certainly has
+                await asyncio.sleep(DRAIN_GRACE_S)
+                return await self._answer_if_agent_missed(msg, sid, node, incarnation, heard, False)
+            await self.nc.publish(msg.reply, error(
+                "unavailable", f"the node-agent of node {node}, which holds sandbox {sid!r}, is not running (killed or "
+                "restarting; a restarted agent adopts the sandbox): the call was not answered and, if it had begun, "
+                "did not finish; call again once the node is back", retry_after_s=1.0))
+            return
+        except (NatsTimeout, TimeoutError):
+            return
+        try:
+            ping = decode_reply(resp.data, NodePingReply)
+        except CorralError:
+            return
+        if ping.incarnation != incarnation and sent - ping.serving_s > heard:
+            await self.nc.publish(msg.reply, error(
+                "unavailable", f"the node-agent of node {node} restarted while this call on sandbox {sid!r} was on its "
+                "way: no agent process took it (nothing ran); call again", retry_after_s=0.1))

@@ -132,6 +132,11 @@ class Registry:
         st = self.nodes.get(node)
         return st is not None and not st.hb.stopping and time.monotonic() - st.seen <= self.stale_after_s
 
+    def recent(self, node: str) -> bool:
+        """Heard from within the stale limit, stopping or not."""
+        st = self.nodes.get(node)
+        return st is not None and time.monotonic() - st.seen <= self.stale_after_s
+
     def interval(self, node: str) -> float:
         st = self.nodes.get(node)
         return st.interval if st is not None else 1.0

@@ -394,6 +394,9 @@ class Heartbeat(Struct, kw_only=True):
     metrics_url: str = ""
     stopping: bool = False
     warm: dict[str, int] = {}  # image -> warm-pool sandboxes ready to be claimed on this node
+    # one per node-agent process: a heartbeat of the same incarnation after a call proves the
+    # process that held the sandbox's subscription when the call came was still alive
+    incarnation: str = ""
 
 
 class NodeCreate(Struct, kw_only=True, omit_defaults=True):

@@ -140,6 +140,10 @@ class TrajDeleteReply(Reply, kw_only=True):
 class NodePingReply(Reply, kw_only=True):
     node: str
     sandboxes: int
+    incarnation: str = ""  # as in its heartbeats
+    # how long this process has served its sandboxes' subjects: a call heard before then, by the
+    # scheduler's clock, reached no node-agent (the scheduler answers `unavailable` for it)
+    serving_s: float = 0.0
 
 
 class NodeCreateReply(Reply, kw_only=True):
