@@ -1,6 +1,7 @@
 """The SandboxFusion gateway against a real stack, driven by the unmodified `sandbox-fusion`
 client from PyPI (and, for the fields that client does not send, by a raw POST shaped like verl's
-sandbox_fusion reward sends it): results, failures, limits, files, bad input and 200 runs at once."""
+sandbox_fusion reward sends it): results, failures, limits, files, bad input and 200 runs at once;
+and the toolchain languages (cpp, rust, nodejs), compile results apart from run results."""
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +22,13 @@ from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping
 
 from corral_common.contract import labels, subjects
 from corral_common.contract.audit import AuditBatch
+from corral_common.contract.images import ImportReply, ImportRequest
+from corral_sdk import AsyncClient
 from corral_sdk.stack import free_port
 
 from ..conftest import ensure_builtin_images, running_stack
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)  # the first run on a machine builds the toolchain image
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -55,7 +58,8 @@ async def test_ping_and_languages(gw):
     r = await asyncio.to_thread(requests.get, gw.gateway_url + "/v1/ping", timeout=10)
     assert r.status_code == 200 and r.json() == "pong"
     r = await asyncio.to_thread(requests.get, gw.gateway_url + "/v1/languages", timeout=10)
-    assert r.json()["languages"] == ["bash", "pytest", "python"]
+    assert r.json()["languages"] == ["bash", "cpp", "nodejs", "pytest", "python", "rust"]
+    assert (r.json()["image"], r.json()["toolchain_image"]) == ("debian", "toolchain")
 
 
 async def test_success_with_stdin(gw):
@@ -155,7 +159,7 @@ async def test_bad_requests_are_4xx(gw):
         e = r.json()
         assert e["status"] == "SandboxError" and e["error"]["code"] == code and words in e["message"], e
 
-    await refused({"code": "int main(){}", "language": "cpp"}, 400, "invalid_request", "supported: bash, pytest, python")
+    await refused({"code": "int main(){}", "language": "java"}, 400, "invalid_request", "supported: bash, cpp, nodejs, pytest, python, rust")
     await refused(b"{not json", 400, "invalid_request", "JSON")
     await refused({"language": "python"}, 400, "invalid_request", "code")
     await refused({"code": "print(1)", "language": "python", "run_timeout": -1}, 400, "invalid_request", "run_timeout")
@@ -179,7 +183,7 @@ async def test_corral_errors_keep_their_code(gw, tmp_path):
     port = free_port()
     log = open(tmp_path / "gw2.log", "wb")
     p = subprocess.Popen([sys.executable, "-m", "corral_gateway", "--nats", gw.url, "--port", str(port), "--image", "no-such-image",
-                          "--capacity-wait-s", "0"], stdout=log, stderr=subprocess.STDOUT)
+                          "--toolchain-image", "no-such-toolchain", "--capacity-wait-s", "0"], stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(200):
@@ -191,6 +195,10 @@ async def test_corral_errors_keep_their_code(gw, tmp_path):
         r = await asyncio.to_thread(requests.post, url + "/run_code", json={"code": "print(1)", "language": "python"}, timeout=60)
         assert r.status_code == 404, r.text
         assert r.json()["error"]["code"] == "not_found" and "no-such-image" in r.json()["error"]["message"]
+        r = await asyncio.to_thread(requests.post, url + "/run_code", json={"code": "int main(){}", "language": "cpp"}, timeout=60)
+        assert r.status_code == 404, r.text
+        msg = r.json()["error"]["message"]
+        assert "'no-such-toolchain'" in msg and "language 'cpp'" in msg and "corral image build" in msg, msg
         r = await asyncio.to_thread(requests.post, url + "/run_code", timeout=60,
                                     json={"code": "print(1)", "language": "python", "memory_limit_MB": 1_000_000})
         assert r.status_code == 429, r.text
@@ -247,3 +255,107 @@ async def test_200_concurrent_requests(gw):
     async with aiohttp.ClientSession() as s, s.get(gw.gateway_url + "/metrics") as m:
         text = await m.text()
     assert 'corral_gateway_requests_total{language="python",outcome="Success",route="/run_code"}' in text
+
+
+# ----- the toolchain languages (cpp, rust: compiled; nodejs) in the built-in `toolchain` image: a compile
+# error, a compile timeout, a crash and a run timeout each land where SandboxFusion puts them
+
+GRADES = SummaryMapping(Success="ok", CompileFailed="compile-failed", CompileTimeout="compile-timeout",
+                        RunFailed="run-failed", RunTimeout="run-timeout")
+
+SUM_CPP = """#include <iostream>
+int main() {
+    long a, b;
+    std::cin >> a >> b;
+    std::cout << a + b << std::endl;
+    std::cerr << "note" << std::endl;
+    return 0;
+}
+"""
+
+@pytest_asyncio.fixture(scope="module")
+async def toolchain(gw):
+    """The gateway's stack with the built-in `toolchain` image imported (built on first use:
+    debootstrap of debian + g++, rustc, nodejs, ~1 min; a no-op once on the machine)."""
+    c = await AsyncClient.connect(gw.url)
+    try:
+        await c.request(subjects.IMAGE_IMPORT, ImportRequest(name="toolchain", source="builtin"), ImportReply, timeout=900)
+    finally:
+        await c.close()
+    return gw
+
+
+async def test_cpp_compiles_and_runs_with_stdin(toolchain):
+    r = await run(toolchain, code=SUM_CPP, language="cpp", stdin="40 2\n")
+    assert r.status == RunStatus.Success, r
+    assert r.compile_result.status == "Finished" and r.compile_result.return_code == 0, r.compile_result
+    assert r.run_result.status == "Finished" and r.run_result.return_code == 0
+    assert r.run_result.stdout == "42\n" and r.run_result.stderr == "note\n"
+    assert sandbox_fusion.summary_run_code_result(r, GRADES) == "ok"
+
+
+async def test_cpp_compile_error_has_no_run(toolchain):
+    r = await run(toolchain, code="int main() { return undefined_name; }\n", language="cpp")
+    assert r.status == RunStatus.Failed
+    assert r.run_result is None
+    assert r.compile_result.status == "Finished" and r.compile_result.return_code == 1
+    assert "undefined_name" in r.compile_result.stderr and "error" in r.compile_result.stderr
+    assert sandbox_fusion.summary_run_code_result(r, GRADES) == "compile-failed"
+
+
+async def test_cpp_compile_timeout(toolchain):
+    """A program whose constant evaluation takes the compiler minutes: compile_timeout ends it.
+    (Each static_assert stays under g++'s per-evaluation limits, ~5M loop steps; 400 of them.)"""
+    code = ("constexpr long f(long k) { long s = 0; for (long i = 0; i < 50000; i++) for (long j = 0; j < 100; j++) "
+            "s += (i ^ j ^ k) & 7; return s; }\n" + "".join(f"static_assert(f({k}) >= 0);\n" for k in range(400)) + "int main() {}\n")
+    r = await run(toolchain, code=code, language="cpp", compile_timeout=2)
+    assert r.status == RunStatus.Failed and r.run_result is None
+    assert r.compile_result.status == "TimeLimitExceeded" and r.compile_result.return_code is None
+    assert sandbox_fusion.summary_run_code_result(r, GRADES) == "compile-timeout"
+
+
+async def test_cpp_crash_and_run_timeout(toolchain):
+    r = await run(toolchain, code="#include <cstdlib>\nint main() { std::abort(); }\n", language="cpp")
+    assert r.status == RunStatus.Failed and r.compile_result.return_code == 0
+    assert r.run_result.status == "Finished" and r.run_result.return_code == -6  # SIGABRT, as subprocess reports it
+    assert sandbox_fusion.summary_run_code_result(r, GRADES) == "run-failed"
+    r = await run(toolchain, code="#include <cstdio>\nint main() { puts(\"spin\"); fflush(stdout); for (;;) {} }\n",
+                  language="cpp", run_timeout=1.5)
+    assert r.status == RunStatus.Failed and r.compile_result.return_code == 0
+    assert r.run_result.status == "TimeLimitExceeded" and r.run_result.stdout == "spin\n"
+    assert sandbox_fusion.summary_run_code_result(r, GRADES) == "run-timeout"
+
+
+async def test_cpp_reads_request_files_and_hands_back_its_own(toolchain):
+    code = ('#include <fstream>\n#include <string>\nint main() { std::ifstream in("data/in.txt"); std::string s; in >> s;\n'
+            '  std::ofstream("out.txt") << s << s; return 0; }\n')
+    r = await run(toolchain, code=code, language="cpp", files={"data/in.txt": base64.b64encode(b"ab").decode()}, fetch_files=["out.txt"])
+    assert r.status == RunStatus.Success, r
+    assert base64.b64decode(r.files["out.txt"]) == b"abab"
+
+
+async def test_cpp_memory_limit_is_the_runs(toolchain):
+    """memory_limit_MB is the sandbox's: 600 MB touched in a 256 MB run is killed (the compile fits)."""
+    code = ("#include <cstdlib>\n#include <cstdio>\n"
+            "int main() { size_t n = 600UL << 20; volatile char *p = (volatile char *)malloc(n);\n"
+            "  for (size_t i = 0; i < n; i += 4096) p[i] = 1;\n  printf(\"%p\\n\", (void *)p); }\n")
+    body = {"code": code, "language": "cpp", "memory_limit_MB": 256, "run_timeout": 20, "compile_timeout": 30}
+    resp = await asyncio.to_thread(requests.post, toolchain.gateway_url + "/run_code", json=body, timeout=120)
+    out = resp.json()
+    assert resp.status_code == 200 and out["status"] == "Failed", out
+    assert out["compile_result"]["return_code"] == 0 and out["run_result"]["return_code"] == -9, out
+
+
+async def test_rust_and_nodejs(toolchain):
+    r = await run(toolchain, code='use std::io::Read;\nfn main() { let mut s = String::new(); std::io::stdin().read_to_string(&mut s).unwrap();\n'
+                           '  println!("{}", s.trim().len()); }\n', language="rust", stdin="hello\n")
+    assert r.status == RunStatus.Success, r
+    assert r.compile_result.return_code == 0 and r.run_result.stdout == "5\n"
+    r = await run(toolchain, code="fn main() { let x: u8 = \"no\"; }\n", language="rust")
+    assert r.run_result is None and r.compile_result.return_code != 0 and "mismatched types" in r.compile_result.stderr
+    r = await run(toolchain, code="process.stdin.on('data', d => console.log(String(d).trim().split('').reverse().join('')));",
+                  language="nodejs", stdin="corral")
+    assert r.status == RunStatus.Success, r
+    assert r.compile_result is None and r.run_result.stdout == "larroc\n"
+    r = await run(toolchain, code="throw new Error('boom')", language="nodejs")
+    assert r.status == RunStatus.Failed and r.run_result.return_code == 1 and "boom" in r.run_result.stderr

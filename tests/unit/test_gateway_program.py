@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from corral_common.contract.errors import InvalidRequest
-from corral_gateway.languages import B64_CHUNK, CODE_CHUNK, LANGUAGES, PayloadTooLarge, check_path, language, program
+from corral_gateway.languages import B64_CHUNK, CODE_CHUNK, LANGUAGES, PayloadTooLarge, binary, check_path, language, program
 
 
 def run_here(prog, cwd, stdin: str = "") -> subprocess.CompletedProcess:
@@ -53,8 +53,8 @@ def test_pytest_args_are_quoted():
 
 
 def test_refusals():
-    with pytest.raises(InvalidRequest, match="supported: bash, pytest, python"):
-        language("cpp")
+    with pytest.raises(InvalidRequest, match="supported: bash, cpp, nodejs, pytest, python, rust"):
+        language("java")
     with pytest.raises(PayloadTooLarge, match="at most"):
         program(LANGUAGES["python"], "pass", {"f": b64(b"z" * 1_300_000)}, [])
     with pytest.raises(InvalidRequest, match="NUL"):
@@ -62,3 +62,17 @@ def test_refusals():
     for bad in ("", "a\0b", ".", "/tmp/sandbox_fusion/"):
         with pytest.raises(InvalidRequest):
             check_path(bad, "file")
+
+
+def test_a_compiled_language_ends_its_setup_in_the_compiler_and_names_the_program_beside_the_code():
+    """The first exec of a cpp run writes the files and the code, then is the compiler (its status
+    and output are the compile result); the program it makes is the second exec, by absolute path,
+    named after the (random) code file, so no request file can stand in for it."""
+    prog = program(language("cpp"), "int main(){}", {"corral_sf_bin": b64(b"x")}, ["ignored"])
+    last = prog.argv[2].strip().splitlines()[-1]
+    out = binary(prog.code_file)
+    assert prog.code_file.endswith(".cpp") and out == "/tmp/sandbox_fusion/" + prog.code_file[:-4]
+    assert last == f"exec g++ -std=c++17 -O2 -pipe -o {out} {prog.code_file} -lm -lpthread"
+    assert "ignored" not in prog.argv[2]
+    assert language("rust").compiler and language("nodejs").compiler == "" and language("nodejs").toolchain
+    assert not language("python").toolchain

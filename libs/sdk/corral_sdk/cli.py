@@ -299,7 +299,7 @@ def _image_call(subject: str, body: Any, typ: type[R], timeout: float = 600.0) -
 @image_app.command("build")
 def image_build(name: str, image_dir: str = typer.Option(None), load: bool = typer.Option(
         True, help="import into the running stack's image-cache afterwards (if one answers)")) -> None:
-    """Build a built-in image (busybox, debian, browser) on this machine, with progress, and import it."""
+    """Build a built-in image (busybox, debian, browser, toolchain) on this machine, with progress, and import it."""
     import subprocess
 
     rc = subprocess.call([sys.executable, "-m", "corral_image_cache.builtin", "build", name, "--root", _image_root(image_dir)])

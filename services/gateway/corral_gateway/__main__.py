@@ -27,7 +27,8 @@ async def serve(stop: asyncio.Event, nats_url: str, host: str, port: int, cfg: R
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         metrics.UP.labels("gateway").set(1)
-        logs.kv(log, logging.INFO, "serving", url=f"http://{host}:{bound}", nats=nats_url, image=cfg.image)
+        logs.kv(log, logging.INFO, "serving", url=f"http://{host}:{bound}", nats=nats_url, image=cfg.image,
+                toolchain_image=cfg.toolchain_image)
         print(f"corral gateway ready http://{host}:{bound}", flush=True)
         await stop.wait()
         metrics.UP.labels("gateway").set(0)
@@ -41,7 +42,9 @@ def main(
     nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL or nats://127.0.0.1:4222)"),
     port: int = typer.Option(8080, help="HTTP port (SandboxFusion's default is 8080; 0 picks a free one)"),
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 for every interface)"),
-    image: str = typer.Option("debian", help="image the runs use: it must have python3, pytest and bash"),
+    image: str = typer.Option("debian", help="image of python, pytest and bash runs: it must have python3, pytest and bash"),
+    toolchain_image: str = typer.Option("toolchain", help="image of cpp, rust and nodejs runs: it must have g++, rustc and node "
+                                        "(the built-in `toolchain`: corral image build toolchain)"),
     cpu: float = typer.Option(1.0, help="CPU cores of each run's sandbox"),
     memory_mb: int = typer.Option(1024, help="memory of a run's sandbox when the request sets no memory_limit_MB"),
     disk_mb: int = typer.Option(1024, help="disk (writable layer) of each run's sandbox"),
@@ -50,7 +53,7 @@ def main(
     log_level: str = typer.Option("INFO"),
 ) -> None:
     logs.setup("gateway", log_level)
-    cfg = RunnerConfig(image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, job=job, capacity_wait_s=capacity_wait_s)
+    cfg = RunnerConfig(image=image, toolchain_image=toolchain_image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, job=job, capacity_wait_s=capacity_wait_s)
     run_until_signalled(lambda stop: serve(stop, config.nats_url(nats), host, port, cfg))
 
 

@@ -8,8 +8,12 @@ Linux caps one argument or environment string at 128 KiB (MAX_ARG_STRLEN), and a
 together at most `MAX_PAYLOAD` (the whole of argv + environment is capped by ARG_MAX, a quarter of
 the stack limit: 2 MiB by default). The script unsets them before the program starts.
 
-Compiled languages (cpp, go, java, ...) need a toolchain image; the built-in images have none, so
-they are answered with a clear error naming the languages that do run."""
+Languages beyond python, pytest and bash run in the gateway's toolchain image (the built-in
+`toolchain`: debian with g++, rustc and Node.js). A compiled language's run is two execs in one
+sandbox: the setup script ending in the compiler (its result is SandboxFusion's `compile_result`,
+under `compile_timeout`), then the binary (`run_result`, under `run_timeout`), so a program can
+never write into its compile result. Other languages are answered with a clear error naming the
+ones that run."""
 from __future__ import annotations
 
 import posixpath
@@ -34,26 +38,42 @@ class PayloadTooLarge(InvalidRequest):
 class Language:
     name: str
     suffix: str
-    runner: str  # shell words before the code file
+    runner: str = ""  # shell words before the code file (interpreted languages)
     takes_args: bool = False  # SandboxFusion passes `args` to pytest only
+    # compiled languages: the compiler's command, `{src}` the code file and `{bin}` the program
+    compiler: str = ""
+    toolchain: bool = False  # runs in the gateway's toolchain image, not its base image
 
     def command(self, code_file: str, args: list[str]) -> str:
+        """The last line of the setup script: the interpreter, or (compiled) the compiler."""
+        if self.compiler:
+            return "exec " + self.compiler.format(src=shlex.quote(code_file), bin=shlex.quote(binary(code_file)))
         extra = " ".join(shlex.quote(a) for a in args) if self.takes_args else ""
         return f"exec {self.runner} {shlex.quote(code_file)} {extra}".rstrip()
 
 
-# what the built-in `debian` image (python3, python3-pytest, bash) runs, as SandboxFusion runs it
 LANGUAGES: dict[str, Language] = {
+    # the built-in `debian` image (python3, python3-pytest, bash), as SandboxFusion runs them
     "python": Language("python", ".py", "python3"),
     "pytest": Language("pytest", ".py", "python3 -m pytest", takes_args=True),
     "bash": Language("bash", ".sh", "bash"),
+    # the built-in `toolchain` image (Debian's g++ 12, rustc 1.63, Node.js 18)
+    "cpp": Language("cpp", ".cpp", compiler="g++ -std=c++17 -O2 -pipe -o {bin} {src} -lm -lpthread", toolchain=True),
+    "rust": Language("rust", ".rs", compiler="rustc -O --edition 2021 -o {bin} {src}", toolchain=True),
+    "nodejs": Language("nodejs", ".js", "node", toolchain=True),
 }
+
+
+def binary(code_file: str) -> str:
+    """Where a compiled program goes: beside its code file, named like it (so, like it, never a
+    request file's name)."""
+    return posixpath.join(WORKDIR, posixpath.splitext(code_file)[0])
 
 
 def language(name: str) -> Language:
     lang = LANGUAGES.get(name)
     if lang is None:
-        raise InvalidRequest(f"language {name!r} is not supported by this gateway (its image has no toolchain for it); "
+        raise InvalidRequest(f"language {name!r} is not supported by this gateway (its images have no toolchain for it); "
                              f"supported: {', '.join(sorted(LANGUAGES))}")
     return lang
 

@@ -70,3 +70,4 @@ class ErrorResponse(Struct, kw_only=True):
 class LanguagesResponse(Struct, kw_only=True):
     languages: list[str]
     image: str
+    toolchain_image: str

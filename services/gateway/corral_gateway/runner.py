@@ -5,7 +5,8 @@ lightest path, audited like any exec). With `fetch_files` it is a `container` sa
 exec'd once, read back with `files.read` and destroyed: a function call answers only the exit
 status and the output, so files could come back from it only multiplexed into stdout, where the
 program could forge them and truncation could cut them off. Both paths run the same command (see
-languages.py), so a request answers the same either way."""
+languages.py), so a request answers the same either way. A compiled language always takes the
+container path: the compiler and the program are two execs, each answering for itself."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ from corral_common.contract.replies import RunReply
 from corral_sdk.client import AsyncClient
 
 from .admission import Admission
-from .languages import WORKDIR, Program, check_path, language, program
+from .languages import WORKDIR, Language, Program, binary, check_path, language, program
 from .models import CommandRunResult, RunCodeRequest, RunCodeResponse
 
 ADAPTER = "sandbox-fusion"
@@ -33,7 +34,8 @@ MIN_MEMORY_MB = 16
 
 @dataclass
 class RunnerConfig:
-    image: str = "debian"
+    image: str = "debian"  # python, pytest, bash
+    toolchain_image: str = "toolchain"  # the other languages (languages.py)
     cpu: float = 1.0
     memory_mb: int = 1024  # when a request sets no memory_limit_MB
     disk_mb: int = 1024
@@ -94,12 +96,22 @@ class Runner:
         fetch = [check_path(p, "fetch_files entry") for p in req.fetch_files]
         prog = program(lang, req.code, files, req.args)
         memory = self.memory_mb(req)
-        if fetch:
-            return await self._run_container(req, prog, memory, fetch)
-        return await self._run_function(req, prog, memory)
+        try:
+            if fetch or lang.compiler:
+                return await self._run_container(req, lang, prog, memory, fetch)
+            return await self._run_function(req, lang, prog, memory)
+        except NotFound as e:
+            image = self.image(lang)
+            if repr(image) not in e.message:
+                raise
+            raise NotFound(f"{e.message} (language {lang.name!r} runs in image {image!r}; `corral image build {image}` "
+                           "builds and imports it if it is a built-in one)") from None
 
-    async def _run_function(self, req: RunCodeRequest, prog: Program, memory: int) -> Outcome:
-        spec = RunSpec(image=self.cfg.image, substrate="function", cpu=self.cfg.cpu, memory_mb=memory, disk_mb=self.cfg.disk_mb,
+    def image(self, lang: Language) -> str:
+        return self.cfg.toolchain_image if lang.toolchain else self.cfg.image
+
+    async def _run_function(self, req: RunCodeRequest, lang: Language, prog: Program, memory: int) -> Outcome:
+        spec = RunSpec(image=self.image(lang), substrate="function", cpu=self.cfg.cpu, memory_mb=memory, disk_mb=self.cfg.disk_mb,
                        workdir=WORKDIR, job=self.cfg.job, labels=self.labels)
         ex = ExecRequest(cmd=prog.argv, stdin=req.stdin or "", env=prog.env, timeout_s=req.run_timeout, max_output_bytes=MAX_OUTPUT)
         payload = encoder.encode(RunRequest(spec=spec, exec=ex))
@@ -108,16 +120,28 @@ class Runner:
         bus_s = time.perf_counter() - t0
         return Outcome(self._response(reply.result, f"{reply.node}/{reply.sandbox_id}", {}), bus_s, "function")
 
-    async def _run_container(self, req: RunCodeRequest, prog: Program, memory: int, fetch: list[str]) -> Outcome:
-        spec = SandboxSpec(image=self.cfg.image, substrate="container", cpu=self.cfg.cpu, memory_mb=memory, disk_mb=self.cfg.disk_mb,
-                           workdir=WORKDIR, job=self.cfg.job, labels=self.labels, ttl_s=req.run_timeout + 300)
+    async def _run_container(self, req: RunCodeRequest, lang: Language, prog: Program, memory: int, fetch: list[str]) -> Outcome:
+        ttl = req.run_timeout + (req.compile_timeout if lang.compiler else 0) + 300
+        spec = SandboxSpec(image=self.image(lang), substrate="container", cpu=self.cfg.cpu, memory_mb=memory, disk_mb=self.cfg.disk_mb,
+                           workdir=WORKDIR, job=self.cfg.job, labels=self.labels, ttl_s=ttl)
         t0 = time.perf_counter()
-        return await self.admission.run(lambda: self._container_run(req, prog, spec, fetch, t0))
+        return await self.admission.run(lambda: self._container_run(req, lang, prog, spec, fetch, t0))
 
-    async def _container_run(self, req: RunCodeRequest, prog: Program, spec: SandboxSpec, fetch: list[str], t0: float) -> Outcome:
+    async def _container_run(self, req: RunCodeRequest, lang: Language, prog: Program, spec: SandboxSpec, fetch: list[str],
+                             t0: float) -> Outcome:
         sb = await self.client.create_spec(spec)
         try:
-            result = await sb.exec(prog.argv, stdin=req.stdin or "", env=prog.env, timeout_s=req.run_timeout, max_output_bytes=MAX_OUTPUT)
+            compiled: CommandRunResult | None = None
+            result: ExecResult | None = None
+            if lang.compiler:
+                c = await sb.exec(prog.argv, env=prog.env, timeout_s=req.compile_timeout, max_output_bytes=MAX_OUTPUT)
+                compiled = command_result(c)
+                if compiled.status == "Finished" and compiled.return_code == 0:
+                    result = await sb.exec([binary(prog.code_file)], stdin=req.stdin or "", timeout_s=req.run_timeout,
+                                           max_output_bytes=MAX_OUTPUT)
+            else:
+                result = await sb.exec(prog.argv, stdin=req.stdin or "", env=prog.env, timeout_s=req.run_timeout,
+                                       max_output_bytes=MAX_OUTPUT)
             fetched: dict[str, str] = {}
             for name in fetch:
                 try:
@@ -128,7 +152,7 @@ class Runner:
         finally:
             await asyncio.shield(self._destroy(sb))
         bus_s = time.perf_counter() - t0
-        return Outcome(self._response(result, f"{sb.info.node}/{sb.id}", fetched), bus_s, "container")
+        return Outcome(self._response(result, f"{sb.info.node}/{sb.id}", fetched, compiled), bus_s, "container")
 
     async def _destroy(self, sb) -> None:
         try:
@@ -137,7 +161,10 @@ class Runner:
             pass
 
     @staticmethod
-    def _response(result: ExecResult, pod: str, files: dict[str, str]) -> RunCodeResponse:
-        run = command_result(result)
-        ok = run.status == "Finished" and run.return_code == 0
-        return RunCodeResponse(status="Success" if ok else "Failed", message="", run_result=run, executor_pod_name=pod, files=files)
+    def _response(result: ExecResult | None, pod: str, files: dict[str, str], compiled: CommandRunResult | None = None) -> RunCodeResponse:
+        """SandboxFusion's answer: `Success` only if every step finished with status 0; a failed
+        compile answers its compile_result and no run_result."""
+        run = None if result is None else command_result(result)
+        ok = run is not None and run.status == "Finished" and run.return_code == 0
+        return RunCodeResponse(status="Success" if ok else "Failed", message="", compile_result=compiled, run_result=run,
+                               executor_pod_name=pod, files=files)

@@ -104,7 +104,8 @@ class Gateway:
         return _json("pong")  # what SandboxFusion answers
 
     async def languages(self, request: web.Request) -> web.Response:
-        return _json(LanguagesResponse(languages=sorted(LANGUAGES), image=self.runner.cfg.image))
+        cfg = self.runner.cfg
+        return _json(LanguagesResponse(languages=sorted(LANGUAGES), image=cfg.image, toolchain_image=cfg.toolchain_image))
 
     async def run_jupyter(self, request: web.Request) -> web.Response:
         REQUESTS.labels("/run_jupyter", "", "501").inc()

@@ -2,12 +2,13 @@
 directory substrates and as the source of the image-cache's built-in layered images.
 
 Built-in images: `busybox` (from the host's static busybox, milliseconds), `debian` (debootstrap
-minbase bookworm with python3, git and python3-pytest, ~60 s, ~290 MB) and `browser` (debian with
-headless Chromium, ~70 s, ~1 GB; built on first request, never by default).
+minbase bookworm with python3, git and python3-pytest, ~60 s, ~290 MB), `browser` (debian with
+headless Chromium, ~70 s, ~1 GB) and `toolchain` (debian with g++, rustc and Node.js, for the
+SandboxFusion gateway's compiled languages); the last two are built on first request, never by default.
 
 - `store`: `ImageStore(root).path(name)`, `.list()`, `.ensure(name, progress)`: atomic, locked builds.
 - `recipes`: which images are built in, their builders and the recipe digests that force a rebuild.
-- `busybox`, `debian`: the builders (`debian` builds `browser` too; it also finds the machine's apt mirror and reads
+- `busybox`, `debian`: the builders (`debian` builds `browser` and `toolchain` too; it also finds the machine's apt mirror and reads
   debootstrap's progress).
 - `files`: durable writes, the atomic swap into place, disk usage and mount-safe removal.
 

@@ -1,6 +1,6 @@
 """The built-in `debian` image: debootstrap minbase of DEBIAN_SUITE with DEBIAN_PACKAGES from the
 machine's own Debian mirror, with progress read from debootstrap's output (~60 s, ~290 MB); and
-`browser`, the same with Chromium (~70 s, ~1 GB).
+`browser`, the same with Chromium (~70 s, ~1 GB), and `toolchain`, with g++, rustc and Node.js.
 
 Its recipe (suite, variant, packages) is digested into image.json, so a change here rebuilds the
 image once on every machine that has the older one."""
@@ -31,6 +31,9 @@ DEBIAN_PACKAGES = ("python3", "git", "python3-pytest")
 # port forwarded over the bus, docs/integrations.md). debootstrap resolves Depends but not
 # alternatives: dconf-service needs `dbus-session-bus`, which dbus-x11 provides without systemd
 BROWSER_PACKAGES = (*DEBIAN_PACKAGES, "chromium", "fonts-dejavu-core", "dbus-x11")
+# the `toolchain` image: debian plus the compilers and runtimes the SandboxFusion gateway's other
+# languages run with (cpp: g++, rust: rustc, nodejs: node)
+TOOLCHAIN_PACKAGES = (*DEBIAN_PACKAGES, "g++", "rustc", "nodejs")
 
 
 def debian_recipe(packages: tuple[str, ...] | None = None) -> str:
@@ -40,6 +43,10 @@ def debian_recipe(packages: tuple[str, ...] | None = None) -> str:
 
 def browser_recipe() -> str:
     return debian_recipe(BROWSER_PACKAGES)
+
+
+def toolchain_recipe() -> str:
+    return debian_recipe(TOOLCHAIN_PACKAGES)
 
 
 # ---------------------------------------------------------------- debian
@@ -239,6 +246,10 @@ def _clean_apt(rootfs: str) -> None:
 
 def build_browser(rootfs: str, progress: Progress | None = None) -> str:
     return build_debian(rootfs, progress, BROWSER_PACKAGES)
+
+
+def build_toolchain(rootfs: str, progress: Progress | None = None) -> str:
+    return build_debian(rootfs, progress, TOOLCHAIN_PACKAGES)
 
 
 def build_debian(rootfs: str, progress: Progress | None = None, packages: tuple[str, ...] = DEBIAN_PACKAGES) -> str:

@@ -9,7 +9,7 @@ import hashlib
 from typing import Callable
 
 from .busybox import build_busybox
-from .debian import browser_recipe, build_browser, build_debian, debian_recipe
+from .debian import browser_recipe, build_browser, build_debian, build_toolchain, debian_recipe, toolchain_recipe
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -17,10 +17,11 @@ BUILDERS: dict[str, Callable[[str, "Progress | None"], str]] = {
     "busybox": build_busybox,
     "debian": build_debian,
     "browser": build_browser,
+    "toolchain": build_toolchain,
 }
 
 # images whose content is chosen here (busybox is whatever the host has: no recipe)
-RECIPES: dict[str, Callable[[], str]] = {"debian": debian_recipe, "browser": browser_recipe}
+RECIPES: dict[str, Callable[[], str]] = {"debian": debian_recipe, "browser": browser_recipe, "toolchain": toolchain_recipe}
 
 
 def recipe(name: str) -> str | None:
