@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from corral_common.contract import subjects
-from corral_common.contract.errors import NotFound, Timeout
+from corral_common.contract.errors import NotFound, Timeout, Unavailable
 from corral_common.contract.messages import (
     ExecRequest,
     ExecResult,
@@ -121,10 +121,14 @@ class Trajectory:
                 return sb
             except NotFound:
                 break
-            except Timeout:
-                # its node may have died: the scheduler declares it lost within seconds
+            except (Timeout, Unavailable) as e:
+                # its node may have died (no answer, or the scheduler says its agent is not
+                # running): the scheduler declares it lost within seconds, or a restarted agent
+                # adopts the sandbox
                 if asyncio.get_running_loop().time() > deadline:
                     raise
+                if isinstance(e, Unavailable):
+                    await asyncio.sleep(min(max(e.retry_after_s or 1.0, 0.1), 2.0))
 
         # the sandbox is gone: a new one from the last snapshot, then the node re-runs the rest
         image = meta.snapshots[-1].image if meta.snapshots else meta.spec.image
