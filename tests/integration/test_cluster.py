@@ -12,12 +12,15 @@ import asyncio
 import secrets
 import time
 
+import nats
 import pytest
 
+from corral_common import auth
 from corral_common.contract import subjects
 from corral_common.contract.audit import QueryReply, QueryRequest
 from corral_common.contract.errors import Capacity, CorralError, Timeout, Unavailable
 from corral_common.contract.messages import SandboxSpec
+from corral_common.contract.replies import NodePingReply
 from corral_sdk import AsyncClient
 
 from ..conftest import running_stack
@@ -162,3 +165,43 @@ async def test_a_killed_nats_server_loses_nothing(cluster):
         while (left := await c.list(job=job)) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         assert left == []
+
+
+async def test_an_idempotent_request_is_asked_again_when_the_client_reconnects(cluster):
+    """A reply sent while the client is between servers (its server died) is lost for good: a
+    request that is safe to repeat (a create with a request_id, a read) is asked again at the
+    reconnect instead of waiting out its timeout. The responder here drops the first asking, as the
+    failover would; the client (on server 1, which is killed) gets the second one's answer."""
+    first, other = cluster.url.split(",")[:2]  # the operator's credentials in each
+    responder = await nats.connect(auth.servers(other), **auth.connect_options(other))
+    heard: list[float] = []
+
+    async def answer(m) -> None:
+        heard.append(time.monotonic())
+        if len(heard) > 1:
+            await m.respond(b'{"ok": true, "node": "n", "sandboxes": 0}')
+
+    await responder.subscribe("test.idempotent", cb=answer)
+    await responder.flush()
+    c = await AsyncClient.connect(first)
+    try:
+        t0 = time.monotonic()
+        ask = asyncio.create_task(c.request("test.idempotent", b"{}", NodePingReply, timeout=60, resend=True))
+        for _ in range(200):
+            if heard or ask.done():
+                break
+            await asyncio.sleep(0.05)
+        assert heard and not ask.done(), ask
+        cluster.kill_nats(0)
+        r = await ask
+        assert r.node == "n" and len(heard) == 2
+        assert time.monotonic() - t0 < 30, "answered after the reconnect, not at the timeout"
+        # without `resend` the lost answer is waited out: a non-idempotent request is never asked twice
+        heard.clear()
+        with pytest.raises(Timeout):
+            await c.request("test.idempotent", b"{}", NodePingReply, timeout=2)
+        assert len(heard) == 1
+    finally:
+        await cluster.restart_nats(0)
+        await c.close()
+        await responder.close()

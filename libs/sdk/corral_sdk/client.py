@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -80,6 +82,9 @@ class AsyncClient:
     def __init__(self, nc: NATS, own: bool):
         self.nc = nc
         self._own = own
+        # resolved at the connection's next reconnect (own connections only: the callback is ours)
+        self._reconnect: asyncio.Future[None] | None = None
+        self._tracks_reconnects = False
 
     @classmethod
     async def connect(cls, url: str | None = None, nc: NATS | None = None, creds: str | None = None) -> AsyncClient:
@@ -88,12 +93,54 @@ class AsyncClient:
         if nc is not None:
             return cls(nc, own=False)
         url = config.nats_url(url)
+        made: list[AsyncClient] = []
+
+        async def reconnected() -> None:
+            for c in made:
+                c._reconnected()
+
         try:
             conn = await nats.connect(auth.servers(url), name="corral-sdk", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                                      connect_timeout=5, allow_reconnect=True, **auth.connect_options(url, creds))
+                                      connect_timeout=5, allow_reconnect=True, reconnected_cb=reconnected,
+                                      **auth.connect_options(url, creds))
         except Exception as e:
             raise Unavailable(f"cannot connect to NATS at {url}: {e}") from None
-        return cls(conn, own=True)
+        client = cls(conn, own=True)
+        client._tracks_reconnects = True
+        made.append(client)
+        return client
+
+    def _reconnected(self) -> None:
+        fut, self._reconnect = self._reconnect, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _next_reconnect(self) -> asyncio.Future[None]:
+        if self._reconnect is None:
+            self._reconnect = asyncio.get_running_loop().create_future()
+        return self._reconnect
+
+    async def _ask(self, subject: str, payload: bytes, timeout: float, resend: bool) -> Msg:
+        """nc.request; with `resend` (a request that is safe to repeat: idempotent by its
+        request_id, or a read), asked again whenever the connection comes back from a reconnect
+        meanwhile: a reply sent while this client was between servers is lost for good, and
+        waiting it out would cost the whole timeout."""
+        if not (resend and self._tracks_reconnects):
+            return await self.nc.request(subject, payload, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NatsTimeout
+            back = self._next_reconnect()
+            ask: asyncio.Future[Msg] = asyncio.ensure_future(self.nc.request(subject, payload, timeout=left))
+            waits: list[asyncio.Future[Any]] = [ask, back]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if ask.done():
+                return ask.result()
+            ask.cancel()
+            with contextlib.suppress(asyncio.CancelledError, NatsTimeout, NoRespondersError):
+                await ask
 
     def _clustered(self) -> bool:
         """Whether the server this client talks to is one of a NATS cluster (its INFO says so)."""
@@ -110,15 +157,17 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def request(self, subject: str, body: msgspec.Struct | bytes, typ: type[R], timeout: float, sandbox_id: str | None = None) -> R:
-        """One request; its success reply decoded as `typ`, an error reply raised as its CorralError."""
+    async def request(self, subject: str, body: msgspec.Struct | bytes, typ: type[R], timeout: float, sandbox_id: str | None = None,
+                      resend: bool = False) -> R:
+        """One request; its success reply decoded as `typ`, an error reply raised as its CorralError.
+        `resend`: the request is safe to repeat (see _ask)."""
         payload = body if isinstance(body, bytes) else encoder.encode(body)
         pause = 0.05
         grace = time.monotonic() + (FAILOVER_GRACE_S if self._clustered() else 0.0)
         try:
             while True:
                 try:
-                    msg = await self.nc.request(subject, payload, timeout=timeout)
+                    msg = await self._ask(subject, payload, timeout, resend)
                     break
                 except NoRespondersError:
                     # nobody got it, so asking again runs nothing twice: in a cluster, the service may
@@ -142,7 +191,7 @@ class AsyncClient:
 
     async def create(self, image: str = "busybox", substrate: str = "container", *, timeout: float = 60.0, **kw: Any) -> AsyncSandbox:
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
-        r = await self.request(subjects.SANDBOX_CREATE, spec, SandboxReply, timeout)
+        r = await self.request(subjects.SANDBOX_CREATE, spec, SandboxReply, timeout, resend=bool(spec.request_id))
         return AsyncSandbox(self, r.sandbox)
 
     async def create_spec(self, spec: SandboxSpec, timeout: float = 60.0, wait_for_capacity_s: float = 0.0) -> AsyncSandbox:
@@ -154,7 +203,7 @@ class AsyncClient:
         deadline = time.monotonic() + wait_for_capacity_s
         while True:
             try:
-                r = await self.request(subjects.SANDBOX_CREATE, spec, SandboxReply, timeout)
+                r = await self.request(subjects.SANDBOX_CREATE, spec, SandboxReply, timeout, resend=bool(spec.request_id))
                 break
             except (Capacity, Unavailable) as e:
                 pause = min(max(e.retry_after_s or 1.0, 0.1), 5.0)
@@ -196,7 +245,7 @@ class AsyncClient:
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
         if progress is None:
             req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
-            return await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout)
+            return await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout, resend=bool(spec.request_id))
         # the events come on the request's own reply route (stream_progress), not from
         # corral.events, which a tenant may not subscribe to
         req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id, stream_progress=True)
@@ -242,7 +291,7 @@ class AsyncClient:
         req = RunRequest(spec=RunSpec(image=image, substrate=substrate, **spec),  # type: ignore[arg-type]
                          exec=ExecRequest(cmd=cmd, stdin=stdin, env=env or {}, cwd=cwd, timeout_s=timeout_s,
                                           max_output_bytes=max_output_bytes))
-        r = await self.request(subjects.SANDBOX_RUN, req, RunReply, timeout or timeout_s + 45)
+        r = await self.request(subjects.SANDBOX_RUN, req, RunReply, timeout or timeout_s + 45, resend=bool(req.spec.request_id))
         return r.result
 
     async def call(self, fn: Any, *args: Any, image: str = "debian", substrate: str = "function", timeout_s: float = 60.0,
@@ -258,7 +307,7 @@ class AsyncClient:
         return functions.decode_result(r, fn)
 
     async def list(self, job: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        r = await self.request(subjects.SANDBOX_LIST, ListRequest(job=job, labels=labels), SandboxListReply, 10.0)
+        r = await self.request(subjects.SANDBOX_LIST, ListRequest(job=job, labels=labels), SandboxListReply, 10.0, resend=True)
         return r.sandboxes
 
     def sandbox(self, sandbox_id: str) -> AsyncSandbox:

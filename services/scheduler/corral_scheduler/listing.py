@@ -28,6 +28,7 @@ RECHECK_AFTER_S = (0.5, 2.5)
 OVERDUE_BEATS = 3  # heartbeat intervals without one before a node's agent is asked whether it still runs
 # a node-agent stopping on request finishes the calls it holds within its drain timeout (5 s)
 DRAIN_GRACE_S = 6.0
+NO_AGENT_PINGS, NO_AGENT_PING_GAP_S = 4, 1.0  # "no agent" only after every ping of ~3 s went unserved
 
 
 class Listing:
@@ -158,21 +159,27 @@ class Listing:
         before this replica heard it). A process that answers and was serving before stays the
         one to answer; so does a node that does not answer a ping at all (paused: its
         subscriptions stand)."""
-        sent = time.monotonic()
-        try:
-            resp = await self.nc.request(subjects.node_ping(node), b"{}", timeout=1.0)
-        except NoRespondersError:
-            if stopping:
-                # stopped on request: it finishes the calls it took before it lets go of the bus;
-                # ask again once it certainly has
-                await asyncio.sleep(DRAIN_GRACE_S)
-                return await self._answer_if_agent_missed(msg, sid, node, incarnation, heard, False)
+        for attempt in range(NO_AGENT_PINGS):
+            sent = time.monotonic()
+            try:
+                resp = await self.nc.request(subjects.node_ping(node), b"{}", timeout=1.0)
+                break
+            except NoRespondersError:
+                if stopping:
+                    # stopped on request: it finishes the calls it took before it lets go of the
+                    # bus; ask again once it certainly has
+                    await asyncio.sleep(DRAIN_GRACE_S)
+                    return await self._answer_if_agent_missed(msg, sid, node, incarnation, heard, False)
+                # or only between servers (reconnecting after a NATS server failed, its interest
+                # not yet known everywhere): an agent that is gone stays silent on every ping
+                await asyncio.sleep(NO_AGENT_PING_GAP_S)
+            except (NatsTimeout, TimeoutError):
+                return
+        else:
             await self.nc.publish(msg.reply, error(
                 "unavailable", f"the node-agent of node {node}, which holds sandbox {sid!r}, is not running (killed or "
                 "restarting; a restarted agent adopts the sandbox): the call was not answered and, if it had begun, "
                 "did not finish; call again once the node is back", retry_after_s=1.0))
-            return
-        except (NatsTimeout, TimeoutError):
             return
         try:
             ping = decode_reply(resp.data, NodePingReply)
