@@ -21,7 +21,7 @@ import msgspec
 
 from corral_common.contract.audit import AlertSummary
 from corral_common.contract.envs import EnvRecord, RolloutLimits, TestOutcome
-from corral_common.contract.errors import CorralError, InvalidRequest
+from corral_common.contract.errors import CorralError, InvalidRequest, NotFound
 
 from .client import AsyncClient, AsyncSandbox
 
@@ -229,10 +229,26 @@ async def evaluate(client: AsyncClient, env: str, policies: Sequence[NamedPolicy
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, rollouts))))
     wall = time.perf_counter() - t0
-    left = await client.list(job=job)
+    left = await _still_alive(client, job)
     rows.sort(key=lambda r: r.i)
-    return EvalReport(summary=_summary(record, rows, concurrency, wall, len(left)), rows=rows, tests=_tests(rows),
+    return EvalReport(summary=_summary(record, rows, concurrency, wall, left), rows=rows, tests=_tests(rows),
                       alerts=_alerts(rows))
+
+
+async def _still_alive(client: AsyncClient, job: str) -> int:
+    """Sandboxes of the run's job that still answer: the listing is the scheduler's table, which
+    learns of a destroy an instant after its answer (the node's placement delete reaches its watch),
+    so each listed one is asked itself; one that answers `not_found` is gone."""
+    alive = 0
+    for info in await client.list(job=job):
+        try:
+            await client.sandbox(info.id).refresh(timeout=10)
+        except NotFound:
+            continue
+        except CorralError:
+            pass  # no clear answer (its node down): counted as left behind, not hidden
+        alive += 1
+    return alive
 
 
 def _summary(env: EnvRecord, rows: list[RolloutResult], concurrency: int, wall: float, left: int) -> EvalSummary:
