@@ -205,3 +205,36 @@ async def test_an_idempotent_request_is_asked_again_when_the_client_reconnects(c
         await cluster.restart_nats(0)
         await c.close()
         await responder.close()
+
+
+async def test_an_idempotent_request_lost_inside_a_server_is_asked_again_without_a_reconnect(cluster):
+    """A request routed through the client's live server to a responder whose server then dies
+    is lost inside that server, and nothing tells the client: in a cluster, a request safe to
+    repeat is asked once more after `hedge_after_s` without an answer (the first asking stays in
+    flight, the first answer wins). One that is not safe to repeat is never asked twice."""
+    url = cluster.url.split(",")[1]  # a server no other test of this module kills
+    responder = await nats.connect(auth.servers(url), **auth.connect_options(url))
+    heard: list[float] = []
+
+    async def answer(m) -> None:
+        heard.append(time.monotonic())
+        if len(heard) > 1:
+            await m.respond(b'{"ok": true, "node": "n", "sandboxes": 0}')
+
+    await responder.subscribe("test.hedged", cb=answer)
+    await responder.flush()
+    c = await AsyncClient.connect(url)
+    c.hedge_after_s = 1.0
+    try:
+        assert c._clustered()
+        t0 = time.monotonic()
+        r = await c.request("test.hedged", b"{}", NodePingReply, timeout=30, resend=True)
+        assert r.node == "n" and len(heard) == 2, heard
+        assert 0.9 < heard[1] - heard[0] and time.monotonic() - t0 < 20, "asked again after hedge_after_s, not at the timeout"
+        heard.clear()
+        with pytest.raises(Timeout):
+            await c.request("test.hedged", b"{}", NodePingReply, timeout=3)
+        assert len(heard) == 1, heard
+    finally:
+        await c.close()
+        await responder.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
@@ -76,6 +75,11 @@ if TYPE_CHECKING:
 # whose server failed reconnects to another within about a second (measured: tests/integration/
 # test_cluster.py); on one server nobody answering means nobody is there
 FAILOVER_GRACE_S = 3.0
+# in a cluster, a request safe to repeat that has had no answer for this long is asked one more time
+# (the first asking stays in flight; the first answer wins): a request routed to a service whose
+# NATS server died in between is lost inside that server, and this client, on a live server,
+# sees no reconnect that would tell it to ask again
+HEDGE_AFTER_S = 15.0
 
 
 class AsyncClient:
@@ -85,6 +89,7 @@ class AsyncClient:
         # resolved at the connection's next reconnect (own connections only: the callback is ours)
         self._reconnect: asyncio.Future[None] | None = None
         self._tracks_reconnects = False
+        self.hedge_after_s = HEDGE_AFTER_S
 
     @classmethod
     async def connect(cls, url: str | None = None, nc: NATS | None = None, creds: str | None = None) -> AsyncClient:
@@ -123,24 +128,43 @@ class AsyncClient:
     async def _ask(self, subject: str, payload: bytes, timeout: float, resend: bool) -> Msg:
         """nc.request; with `resend` (a request that is safe to repeat: idempotent by its
         request_id, or a read), asked again whenever the connection comes back from a reconnect
-        meanwhile: a reply sent while this client was between servers is lost for good, and
-        waiting it out would cost the whole timeout."""
-        if not (resend and self._tracks_reconnects):
+        meanwhile (a reply sent while this client was between servers is lost for good, and
+        waiting it out would cost the whole timeout), and in a cluster also after HEDGE_AFTER_S
+        without an answer."""
+        clustered = self._clustered()
+        if not resend or not (self._tracks_reconnects or clustered):
             return await self.nc.request(subject, payload, timeout=timeout)
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise NatsTimeout
-            back = self._next_reconnect()
-            ask: asyncio.Future[Msg] = asyncio.ensure_future(self.nc.request(subject, payload, timeout=left))
-            waits: list[asyncio.Future[Any]] = [ask, back]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if ask.done():
-                return ask.result()
-            ask.cancel()
-            with contextlib.suppress(asyncio.CancelledError, NatsTimeout, NoRespondersError):
-                await ask
+        hedge_at = time.monotonic() + self.hedge_after_s if clustered else float("inf")
+        asks: list[asyncio.Future[Msg]] = []
+        try:
+            while True:
+                now = time.monotonic()
+                left = deadline - now
+                if left <= 0:
+                    raise NatsTimeout
+                if not asks or now >= hedge_at:
+                    asks.append(asyncio.ensure_future(self.nc.request(subject, payload, timeout=left)))
+                    if now >= hedge_at:
+                        # once: a repeat waits in the service for the first asking's outcome
+                        # (polling its record), so more of them would only multiply that work
+                        hedge_at = float("inf")
+                back = self._next_reconnect()
+                waits: list[asyncio.Future[Any]] = [*asks, back]
+                await asyncio.wait(waits, timeout=min(left, hedge_at - now), return_when=asyncio.FIRST_COMPLETED)
+                for a in [a for a in asks if a.done()]:
+                    asks.remove(a)
+                    if a.exception() is None:
+                        return a.result()
+                    if not asks and not back.done():
+                        raise a.exception()  # type: ignore[misc]  # the only asking failed: as nc.request would
+                if back.done():
+                    for a in asks:
+                        a.cancel()
+                    asks = []
+        finally:
+            for a in asks:
+                a.cancel()
 
     def _clustered(self) -> bool:
         """Whether the server this client talks to is one of a NATS cluster (its INFO says so)."""

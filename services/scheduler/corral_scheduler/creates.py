@@ -126,6 +126,7 @@ class Creates:
         """A retry of a request already seen: answer with the sandbox it made (or is making)."""
         deadline = time.monotonic() + self.node_timeout_s + 5
         sid = ""
+        pause = 0.02  # a retry usually finds its sandbox at once; one of a slow create backs off (hedged asks)
         while time.monotonic() < deadline:
             try:
                 e = await self.kv_requests.get(key)
@@ -137,7 +138,8 @@ class Creates:
             info = await self.placements.lookup(sid)
             if info is not None:
                 return info
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 0.25)
         # the attempt that took this request_id has had all its time: whatever became of it, fence
         # its id; then either its sandbox exists after all, or a retry may start afresh
         # (not while this replica still places it: that attempt ends on its own)
