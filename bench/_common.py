@@ -70,16 +70,20 @@ def goals_from_ops(legacy: Mapping[str, Mapping[str, Any]], unit: str = "x", not
     return out
 
 
+OWN_OUTPUT = ("bench/results", "docs/benchmarks.md")  # written by bench/ runs and scripts/benchdoc.py
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def tree() -> Tree:
-    """The commit the benchmark ran on, and whether tracked files differed from it (untracked files,
-    such as results being written, do not make a tree dirty)."""
+    """The commit the benchmark ran on, and whether tracked files differed from it. What a run of
+    bench/ writes itself (bench/results/, the benchmarks page) does not make a tree dirty: the
+    second benchmark of a `make bench` would otherwise describe the first one's results."""
     commit = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    describe = _git("describe", "--always", "--dirty", "--tags")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{p}" for p in OWN_OUTPUT)))
+    describe = commit[:7] + ("-dirty" if dirty else "")
     return Tree(commit=commit, dirty=dirty, describe=describe)
 
 

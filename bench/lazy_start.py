@@ -231,10 +231,10 @@ class BenchStack(Stack):
 
     bench_loader_args: list[str] = []
 
-    def _start(self, name, argv, metrics_url=""):
+    def _start(self, name, argv, *rest, **kw):
         if name.startswith("loader-"):
             argv = [*argv, *self.bench_loader_args]
-        return super()._start(name, argv, metrics_url)
+        return super()._start(name, argv, *rest, **kw)
 
 
 # ---------------------------------------------------------------------------------- docker
