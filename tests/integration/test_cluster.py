@@ -167,13 +167,10 @@ async def test_a_killed_nats_server_loses_nothing(cluster):
         assert left == []
 
 
-async def test_an_idempotent_request_is_asked_again_when_the_client_reconnects(cluster):
-    """A reply sent while the client is between servers (its server died) is lost for good: a
-    request that is safe to repeat (a create with a request_id, a read) is asked again at the
-    reconnect instead of waiting out its timeout. The responder here drops the first asking, as the
-    failover would; the client (on server 1, which is killed) gets the second one's answer."""
-    first, other = cluster.url.split(",")[:2]  # the operator's credentials in each
-    responder = await nats.connect(auth.servers(other), **auth.connect_options(other))
+async def _responder_dropping_first_asking(url: str, subject: str) -> tuple[nats.NATS, list[float]]:
+    """A responder on `subject` that hears every asking (their times, in the list it returns) and
+    answers all but the first, as a failover that lost the first asking would."""
+    responder = await nats.connect(auth.servers(url), **auth.connect_options(url))
     heard: list[float] = []
 
     async def answer(m) -> None:
@@ -181,8 +178,18 @@ async def test_an_idempotent_request_is_asked_again_when_the_client_reconnects(c
         if len(heard) > 1:
             await m.respond(b'{"ok": true, "node": "n", "sandboxes": 0}')
 
-    await responder.subscribe("test.idempotent", cb=answer)
+    await responder.subscribe(subject, cb=answer)
     await responder.flush()
+    return responder, heard
+
+
+async def test_an_idempotent_request_is_asked_again_when_the_client_reconnects(cluster):
+    """A reply sent while the client is between servers (its server died) is lost for good: a
+    request that is safe to repeat (a create with a request_id, a read) is asked again at the
+    reconnect instead of waiting out its timeout. The responder here drops the first asking, as the
+    failover would; the client (on server 1, which is killed) gets the second one's answer."""
+    first, other = cluster.url.split(",")[:2]  # the operator's credentials in each
+    responder, heard = await _responder_dropping_first_asking(other, "test.idempotent")
     c = await AsyncClient.connect(first)
     try:
         t0 = time.monotonic()
@@ -213,16 +220,7 @@ async def test_an_idempotent_request_lost_inside_a_server_is_asked_again_without
     repeat is asked once more after `hedge_after_s` without an answer (the first asking stays in
     flight, the first answer wins). One that is not safe to repeat is never asked twice."""
     url = cluster.url.split(",")[1]  # a server no other test of this module kills
-    responder = await nats.connect(auth.servers(url), **auth.connect_options(url))
-    heard: list[float] = []
-
-    async def answer(m) -> None:
-        heard.append(time.monotonic())
-        if len(heard) > 1:
-            await m.respond(b'{"ok": true, "node": "n", "sandboxes": 0}')
-
-    await responder.subscribe("test.hedged", cb=answer)
-    await responder.flush()
+    responder, heard = await _responder_dropping_first_asking(url, "test.hedged")
     c = await AsyncClient.connect(url)
     c.hedge_after_s = 1.0
     try:
