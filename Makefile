@@ -34,7 +34,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench.run_all

@@ -15,7 +15,6 @@ import tempfile
 from collections.abc import AsyncIterator
 
 import nats
-import pytest
 import pytest_asyncio
 
 from corral_sdk import AsyncClient
@@ -64,16 +63,6 @@ async def stack():
     await asyncio.to_thread(ensure_builtin_images)
     async with running_stack(nodes=1) as s:
         yield s
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every integration test goes to
-    one worker, in order, as without xdist: they share the machine's cgroups, mounts, ports and
-    Docker, and their leak checks look at the host; the unit tests, which touch none of that, run
-    on the other worker meanwhile."""
-    for item in items:
-        if "integration" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("host"))
 
 
 @pytest_asyncio.fixture(scope="session")
