@@ -6,6 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# test files run whole and in order on each worker; every stack has its own data dir, ports and
+# cgroup parent, so two files' stacks share the machine as two users' stacks would
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test setup system venv sdists bench clean
 
@@ -34,7 +37,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench.run_all
