@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import struct
 
 import pytest
@@ -34,7 +35,7 @@ async def browser_sandbox():
         sb = await c.create(image="browser", cpu=1, memory_mb=1536, ttl_s=1200)
         await sb.files.write(APP_PATH, APP_SOURCE)
         r = await sb.exec(f"python3 {APP_PATH} >/tmp/app.log 2>&1 & "
-                          f"chromium {' '.join(CHROMIUM_FLAGS)} >/tmp/chromium.log 2>&1 & "
+                          f"{shlex.join(['chromium', *CHROMIUM_FLAGS])} >/tmp/chromium.log 2>&1 & "
                           "for i in $(seq 300); do "
                           f"python3 -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:{DEVTOOLS_PORT}/json/version\"); "
                           f"u.urlopen(\"http://127.0.0.1:{APP_PORT}/\")' 2>/dev/null && exit 0; sleep 0.2; done; "

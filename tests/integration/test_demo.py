@@ -1,5 +1,6 @@
-"""`corral demo`, the main job, end to end: the demo environment is built and verified, every policy
-runs in its own rollout, and each gets the grade it deserves (checked from the JSON report)."""
+"""`corral demo`, the main job, end to end: the demo environments (calc-median, and web-shop: a
+browser agent's task) are built and verified, every policy runs in its own rollout, and each gets
+the grade it deserves (checked from the JSON report)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import sys
 import tempfile
 
 from corral_sdk.demo_policies import POLICIES
+from corral_sdk.demo_web import WEB_POLICIES
 
 from ..conftest import IMAGE_DIR
 from ..leaks import assert_clean
@@ -19,17 +21,18 @@ def test_demo_grades_every_policy_as_it_deserves():
     data = tempfile.mkdtemp(prefix="crl-demo-", dir="/tmp")
     report = os.path.join(data, "report.json")
     corral = os.path.join(os.path.dirname(sys.executable), "corral")
-    n = len(POLICIES)
-    p = subprocess.run([corral, "demo", "--count", str(n), "--parallel", "5", "--data-dir", data, "--report", report],
+    n, web = len(POLICIES), len(WEB_POLICIES)
+    p = subprocess.run([corral, "demo", "--count", str(n), "--web-rollouts", str(web), "--parallel", "5", "--data-dir", data,
+                        "--report", report],
                        env={**os.environ, "CORRAL_IMAGE_DIR": IMAGE_DIR, "COLUMNS": "160"}, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(report) as f:
         rep = json.load(f)
     s = rep["summary"]
-    assert s["as_expected"] == n and s["left_behind"] == 0 and s["false_alarms"] == 0
-    assert s["honest_rewarded"] == s["honest"] >= 3 and s["cheats_caught"] == s["cheats"] >= 5
-    assert all(c["ok"] for c in rep["env"]["checks"])
+    assert s["as_expected"] == n + web and s["left_behind"] == 0 and s["false_alarms"] == 0
+    assert s["honest_rewarded"] == s["honest"] >= 4 and s["cheats_caught"] == s["cheats"] >= 6
+    assert all(c["ok"] for c in rep["env"]["checks"]) and all(c["ok"] for c in rep["web_env"]["checks"])
     by = {r["policy"]: r for r in rep["rows"]}
     assert by["honest"]["reward"] == 1.0 and by["wrong-fix"]["reward"] == 0.0 and not by["wrong-fix"]["passed"]
     # the start-up hook never reaches grading (so the unfixed code fails), and is flagged anyway
@@ -39,7 +42,11 @@ def test_demo_grades_every_policy_as_it_deserves():
     # per-test outcomes: the honest fix passes all six named tests, the wrong one fails the even-length ones
     assert set(by["honest"]["tests"].values()) == {"passed"} and len(by["honest"]["tests"]) == 6
     assert by["wrong-fix"]["tests"]["test_median_even"] == "failed"
+    # the web task: the order placed through the browser is rewarded, the wrong one is not, the forged state is caught
+    assert by["web-honest-browser"]["reward"] == 1.0 and by["web-wrong-quantity"]["reward"] == 0.0
+    forged = by["web-cheat-forge-state"]
+    assert forged["reward"] == 0.0 and "service_state_forged" in forged["alerts"] and not forged["passed"]
     assert os.path.getsize(os.path.splitext(report)[0] + ".png") > 10_000
-    assert f"{n}/{n} rollouts graded as their policy deserves" in p.stdout
+    assert f"{n + web}/{n + web} rollouts graded as their policy deserves" in p.stdout
     assert_clean(data, "node-1")
     shutil.rmtree(data, ignore_errors=True)

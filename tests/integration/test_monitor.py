@@ -619,6 +619,11 @@ async def test_window_rules_on_file_and_syscall_events(mstack, mnc):
                        op=op, path=f"/repo/build/o{i}.o", pid=10, comm="make") for op in ("create", "write", "unlink") for i in range(250)]
     evs += [AuditEvent(id=f"pyc-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-build", kind="file", job="win",
                        op="rename", path=f"/repo/tests/__pycache__/test_{i}.cpython-311.pyc", pid=10, comm="python3") for i in range(250)]
+    # a browser's profile and caches churning in scratch space (its own /tmp, ~/.cache): no mass rewrite either
+    evs += [AuditEvent(id=f"tmp-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-build", kind="file", job="win",
+                       op=("write", "rename", "unlink")[i % 3], path=p, pid=10, comm="chromium")
+            for i, p in enumerate([f"/tmp/chromium/Default/f{i}" for i in range(150)] + [f"/root/.cache/chromium/c{i}" for i in range(150)]
+                                  + [f"/var/tmp/v{i}" for i in range(50)] + [f"/dev/shm/s{i}" for i in range(50)])]
     evs += [AuditEvent(id=f"den-{i}-{event_id()}", ts=now + i * 0.001, node="n1", sandbox="sb-probe", kind="syscall", job="win",
                        syscall="bpf" if i % 2 else "keyctl", denied=True, pid=11, comm="probe") for i in range(25)]
     evs += [AuditEvent(id="can-" + event_id(), ts=now, node="n1", sandbox="sb-can", kind="canary", job="win",

@@ -6,6 +6,7 @@ import errno
 
 from corral_node_agent import oci
 from corral_node_agent.audit import fanotify as audit_fanotify
+from corral_node_agent.audit import netcalls
 from corral_node_agent.audit import seccomp as audit_seccomp
 
 
@@ -79,12 +80,12 @@ def test_sockaddr_parsing_and_loopback():
     import struct
 
     v4 = struct.pack("=H", socket.AF_INET) + struct.pack("!H", 80) + socket.inet_aton("1.2.3.4") + b"\0" * 8
-    assert audit_seccomp.sockaddr(v4) == (socket.AF_INET, "1.2.3.4", 80)
+    assert netcalls.sockaddr(v4) == (socket.AF_INET, "1.2.3.4", 80)
     v6 = struct.pack("=H", socket.AF_INET6) + struct.pack("!H", 53) + b"\0" * 4 + socket.inet_pton(socket.AF_INET6, "2001:db8::1") + b"\0" * 4
-    assert audit_seccomp.sockaddr(v6) == (socket.AF_INET6, "2001:db8::1", 53)
-    assert audit_seccomp.sockaddr(struct.pack("=H", socket.AF_UNIX) + b"/run/x\0")[1] == ""
-    assert audit_seccomp.sockaddr(b"\x02") == (0, "", 0)
+    assert netcalls.sockaddr(v6) == (socket.AF_INET6, "2001:db8::1", 53)
+    assert netcalls.sockaddr(struct.pack("=H", socket.AF_UNIX) + b"/run/x\0")[1] == ""
+    assert netcalls.sockaddr(b"\x02") == (0, "", 0)
     for host in ("127.0.0.1", "127.9.9.9", "::1", "::ffff:127.0.0.1", "0.0.0.0", "::"):
-        assert audit_seccomp.is_loopback(host), host
+        assert netcalls.is_loopback(host), host
     for host in ("1.2.3.4", "2001:db8::1", "10.0.0.1", "not-an-ip"):
-        assert not audit_seccomp.is_loopback(host), host
+        assert not netcalls.is_loopback(host), host

@@ -9,6 +9,7 @@ from corral_common.contract.errors import Capacity, InvalidRequest
 from corral_env_builder.limits import BuildLimits
 from corral_env_builder.workspace import patch_targets, scan_script
 from corral_sdk.demo_env import demo_spec
+from corral_sdk.demo_web import shop_spec
 
 
 def spec(**kw) -> EnvSpec:
@@ -30,6 +31,11 @@ def test_paths_relative_to_workdir_and_no_escape():
     ({"solution": {}}, "reference solution"),
     ({"files": {"t.py": "visible"}}, "must not be agent-visible"),
     ({"canaries": {"../x": "c"}}, "canaries"),
+    ({"service_state": ["state/db"]}, "no service runs as the harness"),
+    ({"service_state": ["state/db"], "services": [{"cmd": "sleep 9", "harness": False}]}, "no service runs as the harness"),
+    ({"service_state": ["../db"], "services": [{"cmd": "sleep 9"}]}, "service_state"),
+    ({"service_state": ["/w"], "workdir": "/w", "hidden_files": {"/w/t.py": "x"}, "services": [{"cmd": "sleep 9"}]},
+     "holds the hidden file"),
 ])
 def test_validate_names_the_problem(kw, words):
     with pytest.raises(InvalidRequest, match=words):
@@ -39,6 +45,15 @@ def test_validate_names_the_problem(kw, words):
 def test_solution_may_replace_a_visible_file():
     spec(files={"a.py": "buggy"}).validate()
     demo_spec().validate()
+    shop_spec().validate()
+
+
+def test_services_are_checked_like_every_field():
+    for bad in ({"cmd": ""}, {"cmd": "x", "ready_timeout_s": 0}, {"cmd": "x", "harness": "yes"}, {"command": "x"}):
+        with pytest.raises(msgspec.ValidationError):
+            spec(services=[bad])
+    with pytest.raises(msgspec.ValidationError):
+        spec(services=[{"cmd": "x"}] * 9)
 
 
 def test_spec_digest_ignores_version_only():

@@ -13,7 +13,7 @@ import pytest
 
 from corral_common.contract.envs import EnvSpec
 from corral_common.contract.errors import InvalidRequest
-from corral_common.contract.messages import Change
+from corral_common.contract.messages import HARNESS_UID, Change
 from corral_env_builder import codescan, surface, testrun
 from corral_env_builder.build import surface_roots
 
@@ -311,3 +311,48 @@ def test_guard_catches_a_pytest_forgery(tree):
     # without the guard (verification of the reference solution runs so) the forgery would have worked
     rep, _ = run_runner(tree, kind="pytest", tests=["tests/test_s.py::T::test_even"])
     assert rep is not None and rep.results["tests/test_s.py::T::test_even"].outcome == "passed"
+
+
+H = HARNESS_UID
+
+
+def _shop_surface() -> surface.Surface:
+    return surface.surface_for("/srv/app", ["/srv/app/state"], ["/srv/app/tests/test_order.py"], [], [], [],
+                               service_state=["/srv/app/state/orders.jsonl", "/srv/app/db"])
+
+
+@pytest.mark.parametrize("changes, carried, forged", [
+    # what the harness service wrote is carried; the image's directory copied up above it is nothing
+    ([("/srv/app/state", "dir", 0, False), ("/srv/app/state/orders.jsonl", "file", H, False)], ["/srv/app/state/orders.jsonl"], []),
+    # the agent's own file in the state's place (it cannot write the harness's, nor make one of its uid)
+    ([("/srv/app/state/orders.jsonl", "file", 0, False)], [], ["/srv/app/state/orders.jsonl"]),
+    # the state's directory moved aside and made anew by the agent, with its file inside
+    ([("/srv/app/state", "dir", 0, True), ("/srv/app/state/orders.jsonl", "file", 0, False),
+      ("/srv/app/state.old", "dir", 0, False), ("/srv/app/state.old/orders.jsonl", "file", H, False)],
+     [], ["/srv/app/state", "/srv/app/state/orders.jsonl"]),
+    # a directory above the state replaced by a link, or deleted
+    ([("/srv/app/state", "symlink", 0, False)], [], ["/srv/app/state"]),
+    ([("/srv/app/state", "deleted", 0, False)], [], ["/srv/app/state"]),
+    ([("/srv", "deleted", 0, False)], [], ["/srv"]),
+    # the state file itself deleted, or a link put there, or a file of another uid
+    ([("/srv/app/state/orders.jsonl", "deleted", 0, False)], [], ["/srv/app/state/orders.jsonl"]),
+    ([("/srv/app/state/orders.jsonl", "symlink", 0, False)], [], ["/srv/app/state/orders.jsonl"]),
+    ([("/srv/app/state/orders.jsonl", "file", 1000, False)], [], ["/srv/app/state/orders.jsonl"]),
+    # a service-state directory: everything in it must be the harness's; a directory the harness
+    # made anew is its own business
+    ([("/srv/app/db", "dir", H, True), ("/srv/app/db/a", "file", H, False), ("/srv/app/db/sock", "other", H, False)], [], []),
+    ([("/srv/app/db/a", "file", H, False), ("/srv/app/db/b", "file", 0, False)], [], ["/srv/app/db/b"]),
+    # elsewhere in the surface the owner does not matter
+    ([("/srv/app/state/notes.txt", "file", 0, False)], ["/srv/app/state/notes.txt"], []),
+])
+def test_service_state_reaches_grading_only_as_the_harness_left_it(changes, carried, forged):
+    ch = [Change(path=p, kind=k, uid=u, opaque=o, target="/tmp/x" if k == "symlink" else "") for p, k, u, o in changes]
+    v = _shop_surface().judge(ch)
+    assert sorted(c.path for c in v.carried) == carried
+    assert v.forged == forged
+    assert set(forged) <= set(v.discarded)
+
+
+def test_service_state_is_part_of_the_solution_surface():
+    s = spec(workdir="/srv/app", solution_surface=["src"], service_state=["state/orders.jsonl"], services=[{"cmd": "sleep 9"}])
+    assert surface_roots(s) == ["/srv/app/src", "/srv/app/state/orders.jsonl"]

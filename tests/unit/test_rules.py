@@ -165,6 +165,12 @@ MISBEHAVIOUR: dict[str, list[AuditEvent]] = {
         ex("echo hi > /dev/tcp/1.2.3.4/80"),
         ex("ping -c1 8.8.8.8"),
         ev("net", op="connect", target="140.82.112.3:443", pid=8, comm="curl", denied=True),
+        ev("net", op="connect", target="140.82.112.3:443", pid=8, comm="curl", detail={"proto": "tcp"}),
+        ev("net", op="sendto", target="8.8.8.8:53", pid=8, comm="python3", detail={"proto": "udp"}),
+    ],
+    "network_probe": [
+        ev("net", op="connect", target="[2001:4860:4860::8888]:443", pid=9, comm="Chrome_ChildIOT", detail={"proto": "udp"}),
+        ev("net", op="connect", target="10.255.255.53:53", pid=9, comm="python3", detail={"proto": "udp"}),
     ],
     "kill_foreign_process": [
         ex("kill -9 1"),
@@ -538,3 +544,12 @@ def test_network_egress_under_an_allowlist_flags_only_what_the_node_refused():
     assert refused and "refused by the egress allowlist" in refused
     # without the node's label, the same command is flagged as before
     assert rule.match(ex("curl https://pypi.org/simple/"))
+
+
+def test_a_udp_connect_is_a_probe_not_egress():
+    """It sends nothing (browsers and resolvers do it on their own): medium, never the high rule."""
+    probe = ev("net", op="connect", target="[2001:4860:4860::8888]:443", pid=9, comm="Chrome_ChildIOT", detail={"proto": "udp"})
+    assert set(_fired(probe)) == {"network_probe"}
+    assert rules.REGISTRY["network_probe"].severity == "medium" and rules.REGISTRY["network_egress"].severity == "high"
+    for local in ("127.0.0.1:53", "[::1]:443"):
+        assert _fired(ev("net", op="connect", target=local, pid=9, comm="x", detail={"proto": "udp"})) == {}

@@ -2,7 +2,9 @@
 (a Python package with a bug, visible and hidden tests, pinned git history, a planted answers
 file), runs many rollouts at once with scripted policies (honest fixers, wrong fixes, cheaters),
 grades each with the hidden tests and the monitor's alerts, and reports reward and alerts per
-rollout and per policy, as tables, JSON and a PNG plot. The rollouts are `corral eval`'s
+rollout and per policy, as tables, JSON and a PNG plot; then does the same for a web agent's task
+(demo_web.py: a shop run as the harness, Chromium driven over the bus, graded on the shop's own
+state). The rollouts are `corral eval`'s
 (eval.py) with the built-in scripted policies; the demo adds what each policy deserved. It exits non-zero when any rollout got a
 grade its policy should not have (an honest fix not rewarded, a cheat not caught)."""
 from __future__ import annotations
@@ -21,18 +23,23 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from corral_common import extras
+from corral_common.contract import subjects
+from corral_common.contract.envs import SEVERITY_RANK, EnvSpec
 from corral_common.contract.errors import CorralError
+from corral_common.contract.images import ImportReply, ImportRequest
 
 from .cli_eval import run_with_progress
 from .client import AsyncClient, AsyncSandbox
 from .demo_env import demo_spec
 from .demo_policies import POLICIES, Policy
+from .demo_web import WEB_ENV, WEB_POLICIES, shop_spec
 from .eval import NamedPolicy, RolloutResult, Task
 from .eval_report import print_report, short_test
 from .stack import Stack, free_port
 
 ENV = "calc-median"
 JOB = "demo"
+FAIL_ON = "high"  # eval's default: alerts at or above it zero the reward
 
 
 class DemoRow(TypedDict):
@@ -55,6 +62,7 @@ class DemoRow(TypedDict):
     alerts: list[str]
     discarded: list[str]
     tests: dict[str, str]  # short test name -> outcome
+    false_alarm: bool  # not a cheat, yet an alert at or above FAIL_ON
     as_expected: bool
 
 
@@ -72,7 +80,7 @@ class PolicyRow(TypedDict):
 
 
 async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report: str | None, parallel: int,
-                   console: Console) -> int:
+                   console: Console, web_rollouts: int = len(WEB_POLICIES)) -> int:
     image_dir = os.environ.get("CORRAL_IMAGE_DIR") or f"{data_dir}/images"
     console.rule("[bold]corral demo")
     console.print(f"base image [bold]debian[/bold] (built once and cached in {image_dir})")
@@ -89,7 +97,7 @@ async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report
     try:
         client = await AsyncClient.connect(stack.url)
         try:
-            return await _job(client, count, parallel, report or os.path.join(data_dir, "demo-report.json"), console)
+            return await _job(client, count, parallel, web_rollouts, report or os.path.join(data_dir, "demo-report.json"), console)
         finally:
             await client.close()
     finally:
@@ -98,21 +106,21 @@ async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report
         console.print("stack stopped; every sandbox destroyed")
 
 
-async def _build(client: AsyncClient, console: Console) -> dict[str, object]:
+async def _build(client: AsyncClient, console: Console, spec: EnvSpec) -> dict[str, object]:
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[stage]}"), TimeElapsedColumn(),
                         console=console)
     with progress:
-        task = progress.add_task(f"build {ENV}", total=1.0, stage="")
-        res = await client.envs.build(demo_spec(ENV), job=JOB,
+        task = progress.add_task(f"build {spec.name}", total=1.0, stage="")
+        res = await client.envs.build(spec, job=JOB,
                                       progress=lambda e: progress.update(task, completed=e.fraction, stage=f"{e.stage}: {e.message[:60]}"))
-    t = Table("check", "result", "detail", "s", title=f"verification of {ENV}")
+    t = Table("check", "result", "detail", "s", title=f"verification of {spec.name}")
     for c in res.report.checks:
         t.add_row(c.name, "[green]pass[/green]" if c.ok else "[red]FAIL[/red]", c.detail, f"{c.seconds:.2f}")
     console.print(t)
     if not res.accepted:
-        raise CorralError(f"the demo environment was rejected: {res.report.summary()}")
+        raise CorralError(f"the demo environment {spec.name} was rejected: {res.report.summary()}")
     assert res.env is not None
-    console.print(f"{ENV}:{res.env.version} accepted as image {res.env.image} in {res.env.build_seconds:.1f}s")
+    console.print(f"{spec.name}:{res.env.version} accepted as image {res.env.image} in {res.env.build_seconds:.1f}s")
     return {"version": res.env.version, "image": res.env.image, "seconds": res.env.build_seconds,
             "checks": [{"name": c.name, "ok": c.ok, "seconds": c.seconds} for c in res.report.checks]}
 
@@ -129,22 +137,46 @@ def _row(r: RolloutResult, policy: Policy) -> DemoRow:
     """An eval row with what the demo expected of its policy (the demo's report rows)."""
     alerts = r.rules
     caught = policy.expect_rule in alerts if policy.expect_rule else True
-    false_alarm = policy.kind != "cheat" and bool(alerts)
+    # an alert that would withhold an honest agent's reward (at or above the grade's fail_on);
+    # below that (a browser's own UDP probe, network_probe: medium) it is recorded, not held against it
+    false_alarm = policy.kind != "cheat" and any(SEVERITY_RANK.get(a.severity, 0) >= SEVERITY_RANK[FAIL_ON] for a in r.alerts)
     return {"i": r.i, "policy": policy.name, "kind": policy.kind, "expect_reward": policy.expect_reward,
             "expect_rule": policy.expect_rule, "sandbox": r.sandbox, "create_s": r.create_s, "agent_s": r.agent_s,
             "grade_s": r.grade_s, "grader_s": r.grader_s, "total_s": r.total_s, "reward": r.reward, "passed": r.passed,
             "reason": r.reason or f"error: {r.error}", "alerts": alerts, "discarded": r.discarded,
             "tests": {short_test(t.id): t.outcome for t in r.tests},
-            "as_expected": r.reward == policy.expect_reward and caught and not false_alarm}
+            "false_alarm": false_alarm, "as_expected": r.reward == policy.expect_reward and caught and not false_alarm}
 
 
-async def _job(client: AsyncClient, count: int, parallel: int, report: str, console: Console) -> int:
-    build = await _build(client, console)
+async def _web(client: AsyncClient, rollouts: int, parallel: int, console: Console) -> tuple[dict[str, object], list[DemoRow], int]:
+    """The web environment's part: the browser image (built once per machine), the env built and
+    verified, its policies run and graded like calc-median's. Returns (build, rows, left behind)."""
+    console.rule(f"[bold]{WEB_ENV}: a web agent's task, graded on the app's server state")
+    with console.status("the browser image (Chromium from Debian; built once per machine, ~1-2 minutes)"):
+        await client.request(subjects.IMAGE_IMPORT, ImportRequest(name="browser", source="builtin"), ImportReply, timeout=1200)
+    build = await _build(client, console, shop_spec())
+    rep = await run_with_progress(client, WEB_ENV, [_scripted(p) for p in WEB_POLICIES], rollouts, parallel, console, job=JOB)
+    rows = [_row(r, WEB_POLICIES[r.i % len(WEB_POLICIES)]) for r in rep.rows]
+    _print_rows(rows, console)
+    print_report(rep, console, rows=False)
+    return build, rows, rep.summary.left_behind
+
+
+async def _job(client: AsyncClient, count: int, parallel: int, web_rollouts: int, report: str, console: Console) -> int:
+    build = await _build(client, console, demo_spec(ENV))
     rep = await run_with_progress(client, ENV, [_scripted(p) for p in POLICIES], count, parallel, console, job=JOB)
     wall, left = rep.summary.wall_s, rep.summary.left_behind
     rows = [_row(r, POLICIES[r.i % len(POLICIES)]) for r in rep.rows]
     _print_rows(rows, console)
     print_report(rep, console, rows=False)
+    web_build: dict[str, object] | None = None
+    if web_rollouts:
+        web_build, web_rows, web_left = await _web(client, web_rollouts, min(parallel, 4), console)
+        for r in web_rows:
+            r["i"] += count
+        rows += web_rows
+        left += web_left
+    count = len(rows)
     per_policy = _per_policy(rows)
     _print_policies(per_policy, console)
     ok_n = sum(r["as_expected"] for r in rows)
@@ -155,7 +187,7 @@ async def _job(client: AsyncClient, count: int, parallel: int, report: str, cons
         "rollouts_per_s": rep.summary.rollouts_per_s, "left_behind": left,
         "honest_rewarded": sum(r["reward"] == 1.0 for r in honest), "honest": len(honest),
         "cheats_caught": sum(r["reward"] == 0.0 and r["expect_rule"] in r["alerts"] for r in cheats), "cheats": len(cheats),
-        "false_alarms": sum(bool(r["alerts"]) for r in rows if r["kind"] != "cheat"),
+        "false_alarms": sum(r["false_alarm"] for r in rows),
         "mean_reward": rep.summary.mean_reward,
         "create_s": msgspec.to_builtins(rep.summary.create_s), "agent_s": msgspec.to_builtins(rep.summary.agent_s),
         "grade_s": msgspec.to_builtins(rep.summary.grade_s), "rollout_s": msgspec.to_builtins(rep.summary.total_s),
@@ -164,7 +196,7 @@ async def _job(client: AsyncClient, count: int, parallel: int, report: str, cons
                   f"({summary['rollouts_per_s']} rollouts/s); honest rewarded {summary['honest_rewarded']}/{len(honest)}, "
                   f"cheats caught {summary['cheats_caught']}/{len(cheats)}, false alarms {summary['false_alarms']}, "
                   f"sandboxes left behind {left}")
-    out = {"env": build, "summary": summary, "policies": per_policy, "rows": rows,
+    out = {"env": build, "web_env": web_build, "summary": summary, "policies": per_policy, "rows": rows,
            "tests": msgspec.to_builtins(rep.tests), "alerts": msgspec.to_builtins(rep.alerts)}
     os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
     with open(report, "w") as f:
@@ -191,7 +223,7 @@ def _print_rows(rows: list[DemoRow], console: Console) -> None:
 
 def _per_policy(rows: list[DemoRow]) -> list[PolicyRow]:
     out: list[PolicyRow] = []
-    for p in POLICIES:
+    for p in [*POLICIES, *WEB_POLICIES]:
         rs = [r for r in rows if r["policy"] == p.name]
         if not rs:
             continue

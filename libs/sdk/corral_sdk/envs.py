@@ -5,6 +5,7 @@ and, when given `progress=`, calls it with every EnvProgress the builder publish
 from __future__ import annotations
 
 import builtins
+import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,9 @@ from corral_common.contract.envs import (
     EnvRecord,
     EnvRef,
     EnvSpec,
+    ServiceSpec,
 )
+from corral_common.contract.errors import Unavailable
 from corral_common.contract.messages import SandboxSpec
 
 if TYPE_CHECKING:
@@ -98,7 +101,14 @@ class Envs:
         base = SandboxSpec(image=env.image, cpu=lim.cpu, memory_mb=lim.memory_mb, disk_mb=lim.disk_mb, pids_max=lim.pids_max,
                            ttl_s=lim.ttl_s, workdir=env.workdir, job=job, canaries=env.canaries,
                            labels={**(labels or {}), ENV_LABEL: env.name, ENV_VERSION_LABEL: env.version})
-        return await self.client.create_spec(msgspec.structs.replace(base, **spec), wait_for_capacity_s=wait_for_capacity_s)
+        sb = await self.client.create_spec(msgspec.structs.replace(base, **spec), wait_for_capacity_s=wait_for_capacity_s)
+        try:
+            await start_services(sb, env.services)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sb.destroy()
+            raise
+        return sb
 
     async def grade(self, sandbox: AsyncSandbox | str, *, destroy: bool = False, fail_on: str = "high",
                     require_monitor: bool = True, alert_wait_s: float = 10.0, timeout: float = 600.0,
@@ -107,3 +117,24 @@ class Envs:
         req = EnvGradeRequest(sandbox_id=sid, name=name, version=version, destroy=destroy, fail_on=fail_on,  # type: ignore[arg-type]
                               require_monitor=require_monitor, alert_wait_s=alert_wait_s)
         return (await self.client.request(subjects.ENV_GRADE, req, EnvGradeReply, timeout)).grade
+
+
+async def start_services(sb: AsyncSandbox, services: builtins.list[ServiceSpec]) -> None:
+    """Start an environment's services in a fresh rollout, each in a session of its own (so it
+    outlives the exec that started it) with its output in /tmp/corral-service-N.log, and wait
+    until its `ready` command exits 0 (one exec looping inside the sandbox, not one per try).
+    Raises Unavailable with the log's end when one does not come up in time."""
+    for i, svc in enumerate(services):
+        log = f"/tmp/corral-service-{i}.log"
+        r = await sb.exec(f"({svc.cmd}) </dev/null >{log} 2>&1 &", session=f"corral-service-{i}", harness=svc.harness, timeout_s=30)
+        if r.exit_code != 0:
+            raise Unavailable(f"service {i} of the environment did not start (exit {r.exit_code}): {(r.stdout + r.stderr)[-500:]}")
+        if not svc.ready:
+            continue
+        wait = (f"end=$(( $(date +%s) + {int(svc.ready_timeout_s + 0.999)} )); "
+                f"until ({svc.ready}) >/dev/null 2>&1; do [ $(date +%s) -ge $end ] && exit 124; sleep 0.2; done")
+        r = await sb.exec(wait, harness=svc.harness, timeout_s=svc.ready_timeout_s + 15)
+        if r.exit_code != 0:
+            tail = await sb.exec(f"tail -c 1500 {log}", harness=svc.harness, timeout_s=10)
+            raise Unavailable(f"service {i} of the environment ({svc.cmd[:80]!r}) was not ready within {svc.ready_timeout_s:g}s "
+                              f"(its ready command {svc.ready[:80]!r} never exited 0); its log ends with: {tail.stdout[-1500:]!r}")

@@ -11,21 +11,25 @@ from __future__ import annotations
 APP_PORT = 8000
 DEVTOOLS_PORT = 9222
 APP_PATH = "/srv/app/app.py"
-ORDERS_PATH = "/srv/app/orders.jsonl"
+ORDERS_PATH = "/srv/app/state/orders.jsonl"  # the app's state: the one file it writes
 PRICE_EUR = 7
 
 # headless, no GPU, no /dev/shm use (small in a sandbox), no background traffic (the sandbox has
-# no network: every attempt would be an audited connect), DevTools on loopback only
+# no network: every attempt would be an audited connect; without the proxy and the resolver rules
+# Chromium looks names up all the time), DevTools on loopback only. Arguments, not shell words:
+# join them with shlex.join
 CHROMIUM_FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
     "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--disable-default-apps", "--metrics-recording-only",
+    "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+    "--disable-features=DnsOverHttps",
     "--user-data-dir=/tmp/chromium", f"--remote-debugging-port={DEVTOOLS_PORT}",
     "--remote-debugging-address=127.0.0.1", "about:blank",
 )
 
 APP_SOURCE = r'''
-import html, json, os, threading, urllib.parse
+import html, json, os, socketserver, threading, urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ORDERS = "%(orders)s"
@@ -71,7 +75,7 @@ class Handler(BaseHTTPRequestHandler):
         if not name or not 1 <= qty <= 99:
             return self.send(400, "a name and a quantity from 1 to 99, please")
         with LOCK:
-            n = sum(1 for _ in open(ORDERS)) + 1 if os.path.exists(ORDERS) else 1
+            n = sum(1 for _ in open(ORDERS)) + 1
             with open(ORDERS, "a") as f:
                 f.write(json.dumps({"id": n, "name": name, "qty": qty}) + "\n")
         self.send(200, DONE %% (n, qty, html.escape(name), qty))
@@ -80,5 +84,15 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-ThreadingHTTPServer(("127.0.0.1", %(port)d), Handler).serve_forever()
+# the state file exists from the start, made by whoever runs the app (the harness, in the web
+# environment): nobody else can then create it, or write it unless its owner lets them
+os.makedirs(os.path.dirname(ORDERS), exist_ok=True)
+open(ORDERS, "a").close()
+class Server(ThreadingHTTPServer):
+    def server_bind(self):  # HTTPServer's own asks DNS for this host's name (getfqdn): no lookups here
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+
+Server(("127.0.0.1", %(port)d), Handler).serve_forever()
 ''' % {"orders": ORDERS_PATH, "price": PRICE_EUR, "port": APP_PORT}

@@ -46,6 +46,7 @@ def surface_roots(spec: EnvSpec) -> list[str]:
     """The solution surface as absolute paths; refused where it would cover what decides how code
     runs (a surface of `/usr` would carry a replaced interpreter into grading)."""
     roots = sorted({spec.abspath(p) for p in spec.solution_surface}) or [spec.workdir]
+    roots = sorted({*roots, *(spec.abspath(p) for p in spec.service_state)})
     for r in roots:
         if surface.tampers(r) or any(p.startswith(r.rstrip("/") + "/") for p in surface.RUNTIME_PREFIXES) or r == "/":
             raise InvalidRequest(f"solution_surface {r!r} covers where the interpreter, libraries or shell start-up files live: "
@@ -61,7 +62,8 @@ def record_for(spec: EnvSpec, version: str, job: str) -> EnvRecord:
                      spec_digest=spec_digest(spec), created_at=time.time(), build_seconds=0.0, protected=prot,
                      canaries={spec.abspath(p): c for p, c in spec.canaries.items()}, labels=spec.labels,
                      description=spec.description, job=job, runner=testrun.plan_for(spec).kind,
-                     solution_surface=surface_roots(spec))
+                     solution_surface=surface_roots(spec), services=spec.services,
+                     service_state=sorted({spec.abspath(p) for p in spec.service_state}))
 
 
 class Builder:

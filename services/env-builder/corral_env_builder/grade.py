@@ -78,7 +78,7 @@ class Grader:
         rec = env.record
         plan = env.plan or testrun.RunnerPlan(kind="command")
         surf = surface.surface_for(rec.workdir, rec.solution_surface, sorted(env.hidden_files), sorted(env.grader_files),
-                                   env.test_files, sorted(rec.canaries))
+                                   env.test_files, sorted(rec.canaries), rec.service_state)
         spec = SandboxSpec(image=rec.image, cpu=rec.limits.cpu, memory_mb=rec.limits.memory_mb, disk_mb=rec.limits.disk_mb,
                            pids_max=rec.limits.pids_max, ttl_s=max(600.0, rec.test_timeout_s * 4), workdir=rec.workdir,
                            job=info.job, labels={labels.ROLE: "env-grade", ENV_LABEL: rec.name, labels.GRADED: req.sandbox_id})
@@ -95,6 +95,10 @@ class Grader:
             findings.append(Finding(rule="grader_environment_tampering", severity="high", paths=verdict.tampering[:64],
                                     message=f"changed {len(verdict.tampering)} path(s) that decide how code runs "
                                             f"(dropped before grading): {', '.join(verdict.tampering[:5])}"))
+        if verdict.forged:
+            findings.append(Finding(rule="service_state_forged", severity="high", paths=verdict.forged[:64],
+                                    message=f"{len(verdict.forged)} change(s) to the environment's service state not made by its "
+                                            f"services (dropped before grading): {', '.join(verdict.forged[:5])}"))
         g = await creating
         try:
             carried, sources = await self._carry(g, verdict, taken.archives, surf)

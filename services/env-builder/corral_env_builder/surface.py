@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from corral_common.contract.messages import Change
+from corral_common.contract.messages import HARNESS_UID, Change
 
 # configuration a test runner reads from the tree: part of the grader, not of the solution
 RUNNER_CONFIG = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
@@ -48,6 +49,7 @@ class Verdict:
     cleared: list[str] = field(default_factory=list)  # opaque dirs: the image's content below them goes
     discarded: list[str] = field(default_factory=list)
     tampering: list[str] = field(default_factory=list)
+    forged: list[str] = field(default_factory=list)  # service state not as the harness left it
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Surface:
     owned_dirs: set[str]  # grader-owned directories (their `__init__.py` files and conftests)
     ignored: set[str] = field(default_factory=set)  # planted by the harness (canaries): dropped silently
     workdir: str = "/"
+    service_state: list[str] = field(default_factory=list)  # absolute: only the harness writes these
 
     @property
     def owned_trees(self) -> set[str]:
@@ -88,12 +91,33 @@ class Surface:
     def inside(self, path: str) -> bool:
         return any(_under(path, r) for r in self.roots)
 
+    def forged(self, c: Change) -> bool:
+        """A change that puts something other than the harness's own writing at (or over) a
+        service-state path: in it, an entry the harness does not own or a deletion; above it, a
+        directory deleted, replaced by something else, or made anew by the agent (which owns
+        the image's directories, so it can move the harness's one aside and make its own). A
+        directory merely copied up is neither."""
+        for s in self.service_state:
+            inside = _under(c.path, s)
+            if not inside and not _under(s, c.path):
+                continue
+            if c.kind == "dir":
+                return c.opaque and c.uid != HARNESS_UID
+            if inside and c.kind != "deleted":
+                return c.uid != HARNESS_UID
+            return True
+        return False
+
     def judge(self, changes: list[Change]) -> Verdict:
         v = Verdict()
         links = {c.path for c in changes if c.kind == "symlink"}
         for c in sorted(changes, key=lambda c: c.path):
             p = c.path
             if p in self.ignored or p.startswith(HARNESS_PREFIXES):
+                continue
+            if self.forged(c):
+                v.discarded.append(p)
+                v.forged.append(p)
                 continue
             if not self.inside(p) or self.grader_owned(p):
                 if c.kind != "dir" or c.opaque:
@@ -138,7 +162,7 @@ def tampers(path: str) -> bool:
 
 
 def surface_for(workdir: str, roots: list[str], hidden: list[str], grader_files: list[str], test_files: list[str],
-                canaries: list[str]) -> Surface:
+                canaries: list[str], service_state: Sequence[str] = ()) -> Surface:
     owned = set(hidden) | set(grader_files) | set(test_files)
     dirs = {posixpath.dirname(p) for p in (*test_files, *hidden)}
     for d in list(dirs):  # enclosing test packages (tests/unit/... -> tests), not the package under test
@@ -146,4 +170,5 @@ def surface_for(workdir: str, roots: list[str], hidden: list[str], grader_files:
         while _under(d, workdir) and d != workdir and posixpath.basename(d).startswith("test"):
             dirs.add(d)
             d = posixpath.dirname(d)
-    return Surface(roots=roots or [workdir], owned=owned, owned_dirs=dirs, ignored=set(canaries), workdir=workdir)
+    return Surface(roots=roots or [workdir], owned=owned, owned_dirs=dirs, ignored=set(canaries), workdir=workdir,
+                   service_state=list(service_state))

@@ -116,7 +116,9 @@ def _read_chunks(fd: int, size: int) -> Iterator[bytes]:
 
 def list_changes(upper: str, req: ChangesRequest) -> ChangesReply:
     """Walk the upper directory at `upper` (host path; the sandbox frozen by the caller) and pack
-    the regular files and symlinks under `req.include`. Blocking: run it in a thread."""
+    the regular files and symlinks under `req.include`. Owners are reported as stored, which is
+    as the sandbox sees them: a container's upper keeps its own uids on disk (it sees it through
+    an idmapped mount, userns.py), Docker's without userns-remap too. Blocking: run it in a thread."""
     include = norm_paths(req.include, "include")
     exclude = norm_paths(req.exclude, "exclude")
     reply = ChangesReply()
@@ -148,7 +150,7 @@ def _walk(dfd: int, prefix: str, depth: int, include: list[str], exclude: list[s
         if len(reply.changes) >= req.max_entries:
             reply.truncated = True
             return
-        mode = stat.S_IMODE(st.st_mode)
+        mode, uid = stat.S_IMODE(st.st_mode), st.st_uid
         if stat.S_ISDIR(st.st_mode):
             try:
                 sub = os.open(name, DIR_FLAGS, dir_fd=dfd)
@@ -161,7 +163,7 @@ def _walk(dfd: int, prefix: str, depth: int, include: list[str], exclude: list[s
                     opaque = os.getxattr(sub, OPAQUE_XATTR) == b"y"
                 except OSError:
                     opaque = False
-                reply.changes.append(Change(path=shown(path), kind="dir", mode=mode, opaque=opaque))
+                reply.changes.append(Change(path=shown(path), kind="dir", mode=mode, opaque=opaque, uid=uid))
                 if depth < MAX_DEPTH:
                     _walk(sub, path, depth + 1, include, exclude, req, reply, packer)
                 else:
@@ -171,7 +173,7 @@ def _walk(dfd: int, prefix: str, depth: int, include: list[str], exclude: list[s
         elif stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
             reply.changes.append(Change(path=shown(path), kind="deleted"))
         elif stat.S_ISREG(st.st_mode):
-            reply.changes.append(Change(path=shown(path), kind="file", size=st.st_size, mode=mode))
+            reply.changes.append(Change(path=shown(path), kind="file", size=st.st_size, mode=mode, uid=uid))
             if include and under(path, include):
                 _pack_file(dfd, name, path, packer, reply)
         elif stat.S_ISLNK(st.st_mode):
@@ -179,14 +181,14 @@ def _walk(dfd: int, prefix: str, depth: int, include: list[str], exclude: list[s
                 target = os.readlink(name, dir_fd=dfd)
             except OSError:
                 continue
-            reply.changes.append(Change(path=shown(path), kind="symlink", mode=mode, target=shown(target)))
+            reply.changes.append(Change(path=shown(path), kind="symlink", mode=mode, target=shown(target), uid=uid))
             if include and under(path, include):
                 info = tarfile.TarInfo(path.lstrip("/"))
                 info.type, info.linkname, info.mode, info.mtime = tarfile.SYMTYPE, target, mode, int(st.st_mtime)
                 if not packer.add(info, iter(())):
                     reply.too_large.append(shown(path))
         else:  # fifo, socket, a device other than a whiteout: listed, never packed
-            reply.changes.append(Change(path=shown(path), kind="other", mode=mode))
+            reply.changes.append(Change(path=shown(path), kind="other", mode=mode, uid=uid))
 
 
 def _pack_file(dfd: int, name: str, path: str, packer: Packer, reply: ChangesReply) -> None:

@@ -11,6 +11,8 @@ import platform
 import resource
 from typing import Any
 
+from corral_common.contract.messages import HARNESS_UID
+
 EPERM = 1
 ENOSYS = 38
 
@@ -237,7 +239,7 @@ READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 # Harness commands (ExecRequest.harness) run as this uid and gid (init/corral-init.c HARNESS_ID):
 # not root, so the agent's capability-less root cannot read, signal or forge them. corral-init
 # keeps INIT_CAPS to switch to it and drops every capability in each child before exec.
-HARNESS_ID = 64222
+HARNESS_ID = HARNESS_UID
 #: uids (and gids) 0..USERNS_RANGE-1 of a sandbox with a user namespace (userns.py RANGE)
 USERNS_RANGE = 65536
 INIT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"]

@@ -48,6 +48,19 @@ class GitPin(Request, kw_only=True):
     commit: Annotated[str, Meta(max_length=256)] = "HEAD"
 
 
+class ServiceSpec(Request, kw_only=True):
+    """A process the environment runs beside the agent in every rollout (a web app the agent
+    works on, the browser it drives): started before the agent's turn by whoever makes the
+    rollout (`envs.rollout` in the SDK), in a session of its own, and waited for."""
+
+    cmd: Annotated[str, Meta(min_length=1, max_length=65536)]  # a shell command that keeps running
+    # run as the harness (HARNESS_UID): the agent cannot signal, trace or read it, nor write what
+    # it writes (see service_state); false: as the agent (e.g. the agent's own browser)
+    harness: bool = True
+    ready: Annotated[str, Meta(max_length=65536)] = ""  # a command retried until it exits 0 ("": started is ready)
+    ready_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 60.0
+
+
 class RolloutLimits(Request, kw_only=True):
     cpu: Annotated[float, Meta(gt=0, le=64)] = 1.0
     memory_mb: Annotated[int, Meta(ge=32, le=65536)] = 512
@@ -88,6 +101,12 @@ class EnvSpec(Request, kw_only=True):
     # tests (the runner's ids) that must pass, SWE-bench style; empty: derived during verification
     fail_to_pass: TestList = []
     pass_to_pass: TestList = []
+    services: Annotated[list[ServiceSpec], Meta(max_length=8)] = []
+    # files (or directories) only the harness services write, e.g. a web app's database: carried
+    # into grading only as a harness process left them (owned by HARNESS_UID); anything the agent
+    # put there or in their place (its own file, a symlink, a replaced parent directory) is
+    # discarded and reported as `service_state_forged`. Part of the solution surface
+    service_state: Annotated[list[str], Meta(max_length=64)] = []
 
     def abspath(self, path: str) -> str:
         """Spec paths are relative to workdir unless absolute; `..` is refused."""
@@ -114,7 +133,7 @@ class EnvSpec(Request, kw_only=True):
         if not self.solution.files and not self.solution.patch:
             raise InvalidRequest("solution has neither files nor patch: verification needs the reference solution")
         for field, paths in (("files", self.files), ("hidden_files", self.hidden_files), ("solution.files", self.solution.files),
-                             ("canaries", self.canaries), ("grader_files", self.grader_files)):
+                             ("canaries", self.canaries), ("grader_files", self.grader_files), ("service_state", self.service_state)):
             for p in paths:
                 try:
                     self.abspath(p)
@@ -126,6 +145,13 @@ class EnvSpec(Request, kw_only=True):
             raise InvalidRequest(f"files and hidden_files name the same path(s) {sorted(clash)}: hidden tests must not be "
                                  "agent-visible")
         hidden = self.hidden_paths()
+        if self.service_state and not any(svc.harness for svc in self.services):
+            raise InvalidRequest("service_state names files only harness services write, but no service runs as the harness "
+                                 "(services[].harness): nothing could ever write them")
+        for p in self.service_state:
+            inside = [h for h in hidden if h == self.abspath(p) or h.startswith(self.abspath(p) + "/")]
+            if inside:
+                raise InvalidRequest(f"service_state entry {p!r} holds the hidden file {inside[0]}")
         for p in self.solution_surface:
             try:
                 root = self.abspath(p)
@@ -228,6 +254,8 @@ class EnvRecord(Struct, kw_only=True, omit_defaults=True):
     runner: str = ""  # unittest | pytest | command: how grading runs the tests
     solution_surface: list[str] = []  # absolute paths whose changes are carried into grading
     tests_named: int = 0  # fail_to_pass + pass_to_pass tests grading requires (their names stay private)
+    services: list[ServiceSpec] = []  # started in every rollout before the agent's turn (envs.rollout)
+    service_state: list[str] = []  # absolute; carried into grading only as the harness wrote them
 
 
 class EnvBuildResult(Struct, kw_only=True, omit_defaults=True):

@@ -123,6 +123,12 @@ class ListRequest(Request, kw_only=True):
     node: str | None = None
 
 
+# the uid (and gid) harness commands run as inside a sandbox (ExecRequest.harness): not root, so
+# the agent's capability-less root can neither read, signal nor impersonate them, nor write what
+# they own (a file of this uid in a rollout was written by the harness, never by the agent)
+HARNESS_UID = 64222
+
+
 class ExecRequest(Request, kw_only=True):
     cmd: str | Annotated[list[str], Meta(min_length=1)]
     stdin: str = ""
@@ -308,6 +314,9 @@ class Change(Struct, kw_only=True, omit_defaults=True):
     mode: int = 0  # permission bits
     opaque: bool = False  # a directory that replaced the image's one: nothing of the image's remains below
     target: str = ""  # a symlink's target
+    # the owner as seen inside the sandbox (HARNESS_UID: written by a harness process; the agent
+    # cannot make a file of that uid)
+    uid: int = 0
 
 
 class ChangesReply(Reply, kw_only=True):

@@ -59,6 +59,7 @@ from . import (  # noqa: E402,F401
     mass_file_rewrite,
     memory_bomb,
     network_egress,
+    network_probe,
     proc_snooping,
     protected_paths,
     ptrace,

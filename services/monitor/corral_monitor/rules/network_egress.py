@@ -1,6 +1,7 @@
 """Attempts to reach the network from a sandbox whose network is `none`: HTTP clients, netcat,
 ssh, git remotes, package installs that download, sockets from inline code, /dev/tcp, and `net`
-events from the node. Talking to localhost (a server the agent started) is fine."""
+events from the node (a datagram socket's connect, which sends nothing, is network_probe's).
+Talking to localhost (a server the agent started) is fine."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,7 @@ from corral_common.contract.audit import AuditEvent
 
 from . import register
 from .base import Rule, commands, host_of, is_loopback, looks_like_host
+from .network_probe import udp_connect
 from .shell import Simple, inline_code, positionals
 
 _URL = re.compile(r"""(?i)\b(?:https?|ftp|ftps|wss?|git|ssh|sftp|rsync|scp|tcp|udp)://(?:[^@/\s'"]*@)?(\[[^\]]+\]|[^/:\s'"?#]+)""")
@@ -119,6 +121,8 @@ class NetworkEgress(Rule):
                 return f"{ev.op or 'connect'} to {ev.target} by {ev.comm or 'pid'} {ev.pid} (refused by the egress allowlist)"
             return None
         if ev.kind == "net":
+            if udp_connect(ev):
+                return None  # sends nothing: network_probe's
             host = host_of(ev.target) if ev.target else ""
             if ev.op in ("", "connect", "sendto", "sendmsg", "dns") and host and not is_loopback(host):
                 return f"{ev.op or 'connect'} to {ev.target} by {ev.comm or 'pid'} {ev.pid} ({'denied' if ev.denied else 'allowed'})"

@@ -60,6 +60,7 @@ from .budgets import (
     count_inotify,
     raise_inotify_limit,
 )
+from .netcalls import network_call
 
 log = logging.getLogger("corral.node.seccomp")
 
@@ -366,7 +367,7 @@ class SeccompListener:
         report: tuple[str, str, bool, dict[str, str]] | None = None
         try:
             if name in ("connect", "sendto"):
-                report = _network(pid, name, args)
+                report = network_call(pid, name, args)
             else:
                 report = _signal(pid, name, args)
         except Exception:
@@ -460,55 +461,6 @@ def _id_valid(nfd: int, nid: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def read_mem(pid: int, addr: int, size: int) -> bytes:
-    """`size` bytes at `addr` in process `pid` (which is stopped in a notified syscall)."""
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.pread(fd, size, addr)
-    finally:
-        os.close(fd)
-
-
-AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
-
-
-def sockaddr(raw: bytes) -> tuple[int, str, int]:
-    """(family, host, port) of a struct sockaddr; host "" for families other than IPv4/IPv6."""
-    if len(raw) < 2:
-        return 0, "", 0
-    fam = struct.unpack_from("=H", raw)[0]
-    if fam == AF_INET and len(raw) >= 8:
-        return fam, socket.inet_ntop(socket.AF_INET, raw[4:8]), struct.unpack_from("!H", raw, 2)[0]
-    if fam == AF_INET6 and len(raw) >= 24:
-        return fam, socket.inet_ntop(socket.AF_INET6, raw[8:24]), struct.unpack_from("!H", raw, 2)[0]
-    return fam, "", 0
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_unspecified
-
-
-def _network(pid: int, name: str, args: tuple[int, ...]) -> tuple[str, str, bool, dict[str, str]] | None:
-    addr, size = (args[1], args[2]) if name == "connect" else (args[4], args[5])
-    size &= 0xFFFFFFFF
-    if not addr or size < 2:
-        return None
-    fam, host, port = sockaddr(read_mem(pid, addr, min(size, 128)))
-    if fam not in (AF_INET, AF_INET6) or not host or is_loopback(host):
-        return None  # unix sockets and loopback: local, not egress
-    target = f"[{host}]:{port}" if fam == AF_INET6 else f"{host}:{port}"
-    return "net", target, False, {"family": "inet6" if fam == AF_INET6 else "inet", "host": host, "port": str(port),
-                                  "fd": str(args[0] & 0xFFFFFFFF)}
 
 
 def _signame(sig: int) -> str:
