@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from corral_common.contract import subjects
-from corral_common.contract.envs import ServiceSpec
+from corral_common.contract.envs import EnvSpec, ServiceSpec, Solution
 from corral_common.contract.errors import Unavailable
 from corral_common.contract.images import ImportReply, ImportRequest
 from corral_common.contract.messages import HARNESS_UID
@@ -35,6 +35,7 @@ async def shop():
             await c.request(subjects.IMAGE_IMPORT, ImportRequest(name="browser", source="builtin"), ImportReply, timeout=900)
             res = await c.envs.build(shop_spec(), job="web-test")
             assert res.accepted, res.report.summary()
+            assert [ch.detail for ch in res.report.checks if ch.name == "services"] == ["2 service(s) started and ready"]
             yield c
         finally:
             await c.close()
@@ -97,3 +98,15 @@ async def test_a_service_that_never_gets_ready_fails_the_rollout_and_says_why(sh
             await start_services(sb, [ServiceSpec(cmd="echo listening soon; sleep 600", ready="false", ready_timeout_s=2)])
     finally:
         await sb.destroy()
+
+
+async def test_an_environment_whose_service_never_gets_ready_is_refused(shop):
+    c = shop
+    spec = EnvSpec(name="never-ready", base_image="busybox", workdir="/w", test_command="test -f /w/done",
+                   hidden_files={"t.sh": "test -f /w/done\n"}, solution=Solution(files={"done": "1"}), runner="command",
+                   services=[ServiceSpec(cmd="echo warming up; sleep 600", ready="false", ready_timeout_s=2)])
+    res = await c.envs.build(spec, job="web-test")
+    assert not res.accepted
+    (svc,) = [ch for ch in res.report.checks if ch.name == "services"]
+    assert not svc.ok and "was not ready within 2s" in svc.evidence and "warming up" in svc.evidence, svc
+    assert all(ch.ok for ch in res.report.checks if ch.name != "services"), res.report.summary()

@@ -1,6 +1,7 @@
 """The checks an environment must pass before it enters the catalog, each in fresh sandboxes of the
 built image: the hidden tests fail unsolved and pass solved, twice each (stable), the agent-visible
-image holds none of the protected content (by sha256), and a pinned repository leaks no history.
+image holds none of the protected content (by sha256), a pinned repository leaks no history, and
+the environment's services (if any) start and get ready.
 
 With a per-test runner (unittest, pytest) every test's outcome is read in all four runs: the tests
 the spec names must behave as named, or (none named) fail_to_pass and pass_to_pass are derived:
@@ -13,8 +14,10 @@ from dataclasses import dataclass, field
 
 from corral_common.contract import labels
 from corral_common.contract.envs import CheckResult, EnvSpec, digest
+from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import ExecResult, SandboxSpec
 from corral_sdk.client import AsyncClient, AsyncSandbox
+from corral_sdk.envs import start_services
 
 from . import gitpin, testrun, workspace
 from .testrun import RunnerPlan, RunReport
@@ -148,6 +151,7 @@ async def verify(client: AsyncClient, spec: EnvSpec, plan: RunnerPlan, image: st
     # scan looks for it too
     await _run_case(client, spec, plan, image, job, cases[2], set())
     scan = sizes | cases[2].solved_sizes
+    services = asyncio.ensure_future(services_check(client, spec, image, job)) if spec.services else None
     await asyncio.gather(*(_run_case(client, spec, plan, image, job, c, scan if c is cases[0] else set())
                            for c in (cases[0], cases[1], cases[3])))
     secs = round(time.perf_counter() - t0, 2)
@@ -158,7 +162,32 @@ async def verify(client: AsyncClient, spec: EnvSpec, plan: RunnerPlan, image: st
     else:
         out = per_test_checks(spec, plan, cases, secs)
     out.checks += _content_checks(spec, cases, secs)
+    if services is not None:
+        out.checks.append(await services)
     return out
+
+
+async def services_check(client: AsyncClient, spec: EnvSpec, image: str, job: str) -> CheckResult:
+    """The environment's services start in a sandbox of the built image and get ready, as every
+    rollout will start them (envs.start_services): a spec whose app never comes up is refused here,
+    not discovered in every rollout."""
+    t0 = time.perf_counter()
+    try:
+        sb = await client.create_spec(sandbox_spec(spec, image, "env-verify", job), wait_for_capacity_s=CAPACITY_WAIT_S)
+    except Exception as e:
+        return CheckResult(name="services", ok=False, detail="could not create a sandbox", evidence=str(e)[:4000],
+                           seconds=round(time.perf_counter() - t0, 2))
+    try:
+        await start_services(sb, spec.services)
+        ok, detail, evidence = True, f"{len(spec.services)} service(s) started and ready", ""
+    except CorralError as e:
+        ok, detail, evidence = False, "a service did not start or get ready", e.message
+    finally:
+        try:
+            await sb.destroy()
+        except Exception:  # cleanup: the check's own outcome matters; a sandbox left behind expires with its TTL
+            pass
+    return CheckResult(name="services", ok=ok, detail=detail, evidence=evidence[:4000], seconds=round(time.perf_counter() - t0, 2))
 
 
 def _exit_status_checks(un: list[Case], so: list[Case], errors: list[Case], cases: list[Case], secs: float) -> list[CheckResult]:

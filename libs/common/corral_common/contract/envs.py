@@ -25,7 +25,7 @@ EnvVersion = Annotated[str, Meta(pattern=r"^([0-9a-z][0-9a-z_-]{0,31})?$")]  # l
 AbsPath = Annotated[str, Meta(min_length=2, max_length=1024, pattern=r"^/[^\0]*$")]
 FileMap = Annotated[dict[str, str], Meta(max_length=4096)]
 CheckName = Literal["spec", "setup", "pin_git", "snapshot", "fails_unsolved", "passes_solved", "no_protected_content",
-                    "git_pinned", "stable", "tests_named"]
+                    "git_pinned", "stable", "tests_named", "services"]
 Runner = Literal["auto", "unittest", "pytest", "command"]
 TestId = Annotated[str, Meta(min_length=1, max_length=1024)]
 TestList = Annotated[list[TestId], Meta(max_length=20_000)]
