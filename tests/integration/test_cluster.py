@@ -12,10 +12,8 @@ import asyncio
 import secrets
 import time
 
-import nats
 import pytest
 
-from corral_common import auth
 from corral_common.contract import subjects
 from corral_common.contract.audit import QueryReply, QueryRequest
 from corral_common.contract.errors import Capacity, CorralError, Timeout, Unavailable
@@ -24,6 +22,7 @@ from corral_common.contract.replies import NodePingReply
 from corral_sdk import AsyncClient
 
 from ..conftest import running_stack
+from ..responders import responder_dropping_first_asking
 
 pytestmark = pytest.mark.slow
 
@@ -167,29 +166,13 @@ async def test_a_killed_nats_server_loses_nothing(cluster):
         assert left == []
 
 
-async def _responder_dropping_first_asking(url: str, subject: str) -> tuple[nats.NATS, list[float]]:
-    """A responder on `subject` that hears every asking (their times, in the list it returns) and
-    answers all but the first, as a failover that lost the first asking would."""
-    responder = await nats.connect(auth.servers(url), **auth.connect_options(url))
-    heard: list[float] = []
-
-    async def answer(m) -> None:
-        heard.append(time.monotonic())
-        if len(heard) > 1:
-            await m.respond(b'{"ok": true, "node": "n", "sandboxes": 0}')
-
-    await responder.subscribe(subject, cb=answer)
-    await responder.flush()
-    return responder, heard
-
-
 async def test_an_idempotent_request_is_asked_again_when_the_client_reconnects(cluster):
     """A reply sent while the client is between servers (its server died) is lost for good: a
     request that is safe to repeat (a create with a request_id, a read) is asked again at the
     reconnect instead of waiting out its timeout. The responder here drops the first asking, as the
     failover would; the client (on server 1, which is killed) gets the second one's answer."""
     first, other = cluster.url.split(",")[:2]  # the operator's credentials in each
-    responder, heard = await _responder_dropping_first_asking(other, "test.idempotent")
+    responder, heard = await responder_dropping_first_asking(other, "test.idempotent")
     c = await AsyncClient.connect(first)
     try:
         t0 = time.monotonic()
@@ -220,7 +203,7 @@ async def test_an_idempotent_request_lost_inside_a_server_is_asked_again_without
     repeat is asked once more after `hedge_after_s` without an answer (the first asking stays in
     flight, the first answer wins). One that is not safe to repeat is never asked twice."""
     url = cluster.url.split(",")[1]  # a server no other test of this module kills
-    responder, heard = await _responder_dropping_first_asking(url, "test.hedged")
+    responder, heard = await responder_dropping_first_asking(url, "test.hedged")
     c = await AsyncClient.connect(url)
     c.hedge_after_s = 1.0
     try:

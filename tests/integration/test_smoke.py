@@ -1,9 +1,17 @@
 import asyncio
 import json
+import secrets
+import time
 
 import nats
+import pytest
 
 from corral_common.contract import subjects
+from corral_common.contract.errors import Timeout
+from corral_common.contract.replies import NodePingReply
+from corral_sdk import AsyncClient
+
+from ..responders import responder_dropping_first_asking
 
 
 async def test_create_exec_destroy(client):
@@ -14,36 +22,56 @@ async def test_create_exec_destroy(client):
     await sb.destroy()
 
 
-async def test_a_destroy_is_answered_before_its_placement_goes(stack, client):
-    """The scheduler answers `not_found` to a call on a sandbox whose placement is gone and that
-    no node answers; so the node must answer a destroy before it deletes the placement, or the
-    scheduler's `not_found` can reach the caller first (2 of 2,000 destroys in bench/density.py
-    were answered so, for sandboxes they did destroy). Seen from one connection, which the
-    server feeds in the order the node published."""
+async def test_a_destroyed_sandbox_is_never_listed_again_and_its_destroy_never_not_found(stack, client):
+    """Read-your-writes across services: the node deletes the placement before it answers the
+    destroy, and `list` waits until the scheduler's table has followed the bucket up to the moment
+    the list came. Every answer a destroy gets, the node's and any late one of the scheduler (which
+    answers calls on sandboxes whose placement went), is `ok`: 2 of 2,000 destroys in bench/density.py
+    were once answered `not_found` for sandboxes they did destroy."""
+    job = f"ryw-{secrets.token_hex(3)}"
     nc = await nats.connect(stack.url)
     try:
-        for _ in range(3):
-            sb = await client.create(image="busybox", cpu=0.1, memory_mb=32)
-            order: list[str] = []
-            done = asyncio.Event()
-
-            async def on_kv(m) -> None:
-                if (m.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-                    order.append("placement deleted")
-                    done.set()
-
-            async def on_reply(m) -> None:
-                body = json.loads(m.data)
-                order.append("answered ok" if body.get("ok") else f"answered {body['error']['code']}")
-
-            kv_sub = await nc.subscribe(subjects.kv_key(subjects.KV_PLACEMENTS, sb.id), cb=on_kv)
+        answers: dict[str, list[str]] = {}
+        for _ in range(12):
+            sb = await client.create(image="busybox", cpu=0.1, memory_mb=32, job=job)
             inbox = nc.new_inbox()
-            reply_sub = await nc.subscribe(inbox, cb=on_reply)
+            got = answers.setdefault(sb.id, [])
+            first = asyncio.Event()
+
+            async def on_reply(m, got=got, first=first) -> None:
+                body = json.loads(m.data)
+                got.append("ok" if body.get("ok") else body["error"]["code"])
+                first.set()
+
+            await nc.subscribe(inbox, cb=on_reply)
             await nc.publish(subjects.sandbox_op(sb.id, "destroy"), b"{}", reply=inbox)
-            await asyncio.wait_for(done.wait(), 30)
-            await asyncio.sleep(0.2)
-            await kv_sub.unsubscribe()
-            await reply_sub.unsubscribe()
-            assert order[:2] == ["answered ok", "placement deleted"], order  # (a late not_found may follow: discarded by callers)
+            await asyncio.wait_for(first.wait(), 30)
+            listed = await nc.request(subjects.SANDBOX_LIST, json.dumps({"job": job}).encode(), timeout=10)
+            assert sb.id not in {s["id"] for s in json.loads(listed.data)["sandboxes"]}, (sb.id, listed.data[:300])
+        await asyncio.sleep(3.0)  # past the scheduler's last look (2.5 s after each call)
+        assert all(got and set(got) == {"ok"} for got in answers.values()), answers
     finally:
         await nc.close()
+
+
+async def test_a_read_lost_by_a_dying_responder_is_asked_again_on_one_server(stack):
+    """One server, a queue of responders: a request handed to a member that dies before its server
+    notices (the member's connection not yet seen closed) is lost, and nothing tells the client.
+    A request safe to repeat is asked once more after `hedge_after_s` (the first answer wins); one
+    that is not is never asked twice."""
+    responder, heard = await responder_dropping_first_asking(stack.url, "test.hedged-single")
+    c = await AsyncClient.connect(stack.url)
+    c.hedge_after_s = 1.0
+    try:
+        assert not c._clustered()
+        t0 = time.monotonic()
+        r = await c.request("test.hedged-single", b"{}", NodePingReply, timeout=30, resend=True)
+        assert r.node == "n" and len(heard) == 2 and 0.9 < heard[1] - heard[0], heard
+        assert time.monotonic() - t0 < 20, "asked again after hedge_after_s, not at the timeout"
+        heard.clear()
+        with pytest.raises(Timeout):
+            await c.request("test.hedged-single", b"{}", NodePingReply, timeout=3)
+        assert len(heard) == 1, heard
+    finally:
+        await c.close()
+        await responder.close()

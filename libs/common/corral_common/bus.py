@@ -171,6 +171,22 @@ class KVWatch:
             self._seen = max(self._seen, e.revision or 0)
             yield e
 
+    async def caught_up(self, timeout: float = 2.0) -> bool:
+        """Wait until every change the bucket held when this was called has been delivered (and,
+        delivery being synchronous with the consumer's loop body, applied): a reader of a view
+        built from the watch then sees what a writer was told is written. False if the stream
+        cannot be read or the watch does not get there within `timeout`."""
+        try:
+            info = await self.kv._js.stream_info(self.kv._stream)
+        except Exception:  # failing over: the view is as current as it can be told to be
+            return False
+        target, deadline = info.state.last_seq or 0, time.monotonic() + timeout
+        while self._seen < target:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.002)
+        return True
+
     async def _behind(self) -> bool | None:
         try:
             info = await self.kv._js.stream_info(self.kv._stream)

@@ -129,13 +129,14 @@ class AsyncClient:
         """nc.request; with `resend` (a request that is safe to repeat: idempotent by its
         request_id, or a read), asked again whenever the connection comes back from a reconnect
         meanwhile (a reply sent while this client was between servers is lost for good, and
-        waiting it out would cost the whole timeout), and in a cluster also after HEDGE_AFTER_S
-        without an answer."""
-        clustered = self._clustered()
-        if not resend or not (self._tracks_reconnects or clustered):
+        waiting it out would cost the whole timeout), and also after HEDGE_AFTER_S without an
+        answer: a request a queue-group member took just as it died (its server had not yet seen
+        its connection close; on a cluster, its server went) is lost, and another member answers
+        the repeat."""
+        if not resend:
             return await self.nc.request(subject, payload, timeout=timeout)
         deadline = time.monotonic() + timeout
-        hedge_at = time.monotonic() + self.hedge_after_s if clustered else float("inf")
+        hedge_at = time.monotonic() + self.hedge_after_s
         asks: list[asyncio.Future[Msg]] = []
         try:
             while True:

@@ -57,7 +57,7 @@ class Trajectories:
         out: builtins.list[TrajEntry] = []
         step = 0
         while True:
-            r = await self.client.request(subjects.TRAJ_GET, TrajGetRequest(id=tid, from_step=step), TrajGetReply, 30.0)
+            r = await self.client.request(subjects.TRAJ_GET, TrajGetRequest(id=tid, from_step=step), TrajGetReply, 30.0, resend=True)
             page = r.recent
             out += page
             if not page or page[-1].step >= r.trajectory.last_step:

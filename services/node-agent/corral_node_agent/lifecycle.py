@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 
@@ -73,14 +73,10 @@ class Lifecycle:
 
         self.spawn(go())
 
-    async def destroy(self, sid: str, reason: str, answer: Callable[[], Awaitable[None]] | None = None) -> bool:
-        """Destroy `sid`; False if it is gone or being destroyed already. `answer` (a destroy
-        request's reply) is sent once the sandbox is gone and before its placement is deleted:
-        a scheduler that sees the placement go answers `not_found` to calls no node answers, and
-        this call must have been answered by then."""
+    async def destroy(self, sid: str, reason: str) -> None:
         sb = self.table.sandboxes.get(sid)
         if sb is None or sid in self.table.destroying:
-            return False
+            return
         self.table.destroying.add(sid)
         sub = self.table.substrate_of[sid]
         t0 = time.perf_counter()
@@ -95,11 +91,8 @@ class Lifecycle:
             self.audit.forget(sid)
         DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
         sb.info.state = "destroyed"
-        if answer is not None:
-            await answer()
         await self.placements.delete(sid)
         await self.events.of(sb, "destroyed", reason=reason)
-        return True
 
     async def safe_destroy(self, sid: str, reason: str) -> None:
         try:

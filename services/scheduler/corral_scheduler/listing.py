@@ -12,11 +12,11 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from corral_common import bus, tenancy
-from corral_common.contract import subjects
+from corral_common.contract import envelope, subjects
 from corral_common.contract.envelope import decode_reply, error
 from corral_common.contract.errors import CorralError
 from corral_common.contract.messages import ListRequest
-from corral_common.contract.replies import NodePingReply, SandboxListReply
+from corral_common.contract.replies import DestroyReply, NodePingReply, SandboxListReply
 
 from .placements import Placements
 from .registry import Registry
@@ -45,6 +45,9 @@ class Listing:
         req = bus.decode(msg.data, ListRequest)
         who = tenancy.caller(msg)
         job = None if req.job is None else tenancy.qualify_job(who, req.job)
+        # read-your-writes: a sandbox whose destroy was answered is not listed (its node deletes
+        # the placement before answering; the table follows the bucket a moment later)
+        await self.placements.caught_up()
         out = []
         for info in self.placements.placed.values():
             if who is not None and info.tenant != who:
@@ -86,6 +89,12 @@ class Listing:
 
     async def _answer_if_gone(self, msg: Msg, sid: str) -> None:
         if await self.placements.in_kv(sid) is False:
+            if msg.subject.endswith(".destroy"):
+                # it was there when the call came and is gone now: what the destroy asked for,
+                # whether this call (its node deletes the placement, then answers: this may come
+                # second, and is dropped) or another did it
+                await self.nc.publish(msg.reply, envelope.encode(DestroyReply(sandbox_id=sid)))
+                return
             await self.nc.publish(msg.reply, error("not_found", f"no node owns sandbox {sid!r}: it was destroyed, expired, or never existed"))
 
     async def _decide(self, msg: Msg) -> None:

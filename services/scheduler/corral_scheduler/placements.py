@@ -140,6 +140,11 @@ class Placements:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
 
+    async def caught_up(self, timeout: float = 2.0) -> bool:
+        """The table holds every placement change the bucket had when called (a destroy's delete,
+        acked before the destroy was answered, included): see KVWatch.caught_up."""
+        return self.watcher is not None and await self.watcher.caught_up(timeout)
+
     async def stop(self) -> None:
         if self.watcher is not None:
             await self.watcher.stop()

@@ -10,7 +10,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from corral_common import bus, tenancy
-from corral_common.contract import envelope, subjects
+from corral_common.contract import subjects
 from corral_common.contract.audit import AuditEvent
 from corral_common.contract.envelope import Reply
 from corral_common.contract.errors import Capacity, Forbidden, InvalidRequest
@@ -47,7 +47,7 @@ from ..tunnels import Tunnels
 from .exec import ExecFn
 from .traj import Trajectories
 
-OpHandler = Callable[[Msg, Sandbox, Substrate], Awaitable[Reply | None]]
+OpHandler = Callable[[Msg, Sandbox, Substrate], Awaitable[Reply]]
 
 MAX_EXECS_PER_SANDBOX = 64
 
@@ -85,7 +85,7 @@ class SandboxOps:
         """The handler of `corral.v1.sandbox.<sid>.>`."""
         prefix = f"{subjects.PREFIX}.sandbox.{sid}."
 
-        async def handle(msg: Msg) -> Reply | None:
+        async def handle(msg: Msg) -> Reply:
             op = msg.subject[len(prefix):]
             sb, sub = self.table.live(sid)
             fn = self.ops.get(op)
@@ -135,21 +135,10 @@ class SandboxOps:
         await sub.write_file(sb, w.path, data, w.mode, w.make_parents)
         return FileWriteReply(path=w.path, size=len(data))
 
-    async def _destroy(self, msg: Msg, sb: Sandbox, sub: Substrate) -> DestroyReply | None:
-        """Answered before the placement is deleted (Lifecycle.destroy): the scheduler's
-        `not_found` for a sandbox whose placement went must never reach the caller first."""
+    async def _destroy(self, msg: Msg, sb: Sandbox, sub: Substrate) -> DestroyReply:
         bus.decode(msg.data, _Empty)
-        reply = DestroyReply(sandbox_id=sb.id)
-        sent = False
-
-        async def answer() -> None:
-            nonlocal sent
-            if msg.reply:
-                await self.lifecycle.nc.publish(msg.reply, envelope.encode(reply))
-            sent = True
-
-        await self.lifecycle.destroy(sb.id, "destroyed by request", answer)
-        return None if sent else reply  # destroyed by another call meanwhile: answered here
+        await self.lifecycle.destroy(sb.id, "destroyed by request")
+        return DestroyReply(sandbox_id=sb.id)
 
     async def _pause(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:
         await sub.pause(sb)
