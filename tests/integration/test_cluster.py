@@ -22,7 +22,7 @@ from corral_common.contract.replies import NodePingReply
 from corral_sdk import AsyncClient
 
 from ..conftest import running_stack
-from ..responders import responder_dropping_first_asking
+from ..responders import check_hedged_once, responder_dropping_first_asking
 
 pytestmark = pytest.mark.slow
 
@@ -203,19 +203,4 @@ async def test_an_idempotent_request_lost_inside_a_server_is_asked_again_without
     repeat is asked once more after `hedge_after_s` without an answer (the first asking stays in
     flight, the first answer wins). One that is not safe to repeat is never asked twice."""
     url = cluster.url.split(",")[1]  # a server no other test of this module kills
-    responder, heard = await responder_dropping_first_asking(url, "test.hedged")
-    c = await AsyncClient.connect(url)
-    c.hedge_after_s = 1.0
-    try:
-        assert c._clustered()
-        t0 = time.monotonic()
-        r = await c.request("test.hedged", b"{}", NodePingReply, timeout=30, resend=True)
-        assert r.node == "n" and len(heard) == 2, heard
-        assert 0.9 < heard[1] - heard[0] and time.monotonic() - t0 < 20, "asked again after hedge_after_s, not at the timeout"
-        heard.clear()
-        with pytest.raises(Timeout):
-            await c.request("test.hedged", b"{}", NodePingReply, timeout=3)
-        assert len(heard) == 1, heard
-    finally:
-        await c.close()
-        await responder.close()
+    await check_hedged_once(url, "test.hedged", clustered=True)
