@@ -29,3 +29,19 @@ def test_a_node_id_is_spelled_alike_by_its_node_agent_and_its_loader(monkeypatch
     assert config.node_id("ip-10-0-1-2.ec2.internal") == "ip-10-0-1-2-ec2-internal"
     monkeypatch.setenv("CORRAL_NODE", "Node_7")
     assert config.node_id() == "node-7" == config.node_id(None)
+
+
+def test_a_process_given_port_0_says_which_port_it_got(tmp_path, monkeypatch):
+    """The embedded stack lets each service pick its own metrics port (ports it picked ahead for
+    them collided now and then) and reads the URL from the file the service writes."""
+    import urllib.request
+
+    from corral_common import metrics
+
+    path = tmp_path / "x.metrics-url"
+    monkeypatch.setenv(metrics.URL_FILE_ENV, str(path))
+    url = metrics.serve("127.0.0.1", 0)
+    assert path.read_text().strip() == url and not url.endswith(":0/metrics")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+    assert not list(tmp_path.glob("*.tmp"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -40,10 +41,23 @@ def request_done(service: str, op: str, code: str, seconds: float) -> None:
 UP = Gauge("corral_service_up", "1 while the service is serving", ["service"], registry=REGISTRY)
 
 
+# where a process started with `--metrics-port 0` tells its parent the port it got (the embedded
+# stack: ports picked ahead by the parent could be taken by the time the child binds them)
+URL_FILE_ENV = "CORRAL_METRICS_URL_FILE"
+
+
 def serve(host: str, port: int) -> str:
-    """Start the /metrics HTTP endpoint; port 0 picks a free port. Returns the URL."""
+    """Start the /metrics HTTP endpoint; port 0 picks a free port. Returns the URL, also written
+    to $CORRAL_METRICS_URL_FILE when that is set."""
     server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
-    return f"http://{host}:{server.server_port}/metrics"
+    url = f"http://{host}:{server.server_port}/metrics"
+    path = os.environ.get(URL_FILE_ENV)
+    if path:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(url + "\n")
+        os.replace(tmp, path)
+    return url
 
 
 def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:

@@ -5,6 +5,7 @@ guard (`stackguard`) does the same stop if the owner dies without calling `stop`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
-from corral_common import auth, config, extras
+from corral_common import auth, config, extras, metrics
 from corral_common.contract import subjects
 from corral_common.contract.errors import Unavailable
 from corral_common.contract.messages import Heartbeat
@@ -49,9 +50,28 @@ def nats_server_binary() -> str:
 class Proc:
     name: str
     popen: subprocess.Popen[bytes]
-    metrics_url: str = ""
+    fixed_metrics_url: str = ""  # a port chosen by the caller ("": the process picks one and says which)
     argv: list[str] = field(default_factory=list)
     identity: str | None = None  # whose credentials it connects to the bus with
+    metrics_file: str = ""  # where the process writes the URL of the port it picked (metrics.URL_FILE_ENV)
+
+    @property
+    def metrics_url(self) -> str:
+        """The process's /metrics URL ("" if it has none, or has not said within 5 s)."""
+        if self.fixed_metrics_url or not self.metrics_file:
+            return self.fixed_metrics_url
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                with open(self.metrics_file) as f:
+                    url = f.read().strip()
+                if url:
+                    return url
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline or self.popen.poll() is not None:
+                return ""
+            time.sleep(0.05)
 
 
 @dataclass
@@ -117,9 +137,13 @@ class Stack:
         os.makedirs(d, mode=0o700, exist_ok=True)
         return open(os.path.join(d, f"{name}.log"), "ab")
 
-    def _start(self, name: str, argv: list[str], metrics_url: str = "", identity: str | None = None) -> Proc:
+    def _start(self, name: str, argv: list[str], metrics_url: str = "", identity: str | None = None, metrics_file: str = "") -> Proc:
         log = self._log(name)
         env = dict(os.environ)
+        if metrics_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(metrics_file)  # a restarted process's old port
+            env[metrics.URL_FILE_ENV] = metrics_file
         if identity is not None and self.passwords:
             env[auth.CREDS_ENV] = auth.creds_path(identity, self.data_dir)
             if identity == "env-builder":  # and its identity in the catalog's own account
@@ -128,7 +152,7 @@ class Stack:
             env[config.REPLICAS_ENV] = str(self.js_replicas)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         log.close()
-        proc = Proc(name, p, metrics_url, argv, identity)
+        proc = Proc(name, p, metrics_url, argv, identity, metrics_file)
         self.procs.append(proc)
         self._tell_guard(f"+ {p.pid} {name}\n".encode())
         return proc
@@ -182,7 +206,7 @@ class Stack:
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running")
         self.procs.remove(old)
-        return self._start(name, old.argv, old.metrics_url, old.identity)
+        return self._start(name, old.argv, old.fixed_metrics_url, old.identity, old.metrics_file)
 
     def substrate_args(self) -> list[str]:
         """`container` and `function` on every node by default, `docker` too with `docker=True`;
@@ -193,7 +217,17 @@ class Stack:
         return [a for s in subs for a in ("--substrate", s)]
 
     def _mport(self, i: int) -> int:
-        return self.metrics_port + i if self.metrics_port else free_port()
+        """metrics_port + i, or 0: the process picks a free port itself and says which
+        (`_metrics`). Ports picked here ahead and bound by the child a second later collided now
+        and then (with each other: ~10 per stack, ~100 stacks per test run)."""
+        return self.metrics_port + i if self.metrics_port else 0
+
+    def _metrics(self, name: str, port: int) -> dict[str, str]:
+        """The `_start` keywords for a process serving /metrics on `port` (0: its own pick)."""
+        if port:
+            return {"metrics_url": f"http://127.0.0.1:{port}/metrics"}
+        os.makedirs(os.path.join(self.data_dir, "run"), exist_ok=True)
+        return {"metrics_file": os.path.join(self.data_dir, "run", f"{name}.metrics-url")}
 
     def check_installed(self) -> None:
         """The services' packages are extras (a plain `pip install corral` is the SDK only): say
@@ -224,32 +258,32 @@ class Stack:
         img = ["--image-dir", self.image_dir] if self.image_dir else []
         port = self._mport(1)
         self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.bus_url, "--metrics-port", str(port), *img],
-                    f"http://127.0.0.1:{port}/metrics", "image-cache")
+                    identity="image-cache", **self._metrics("image-cache", port))
         await self._wait_request(subjects.IMAGE_INSPECT, b'{"name": "busybox"}', timeout)
         port = self._mport(0)
         self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.bus_url, "--metrics-port", str(port), *self.scheduler_args],
-                    f"http://127.0.0.1:{port}/metrics", "scheduler")
+                    identity="scheduler", **self._metrics("scheduler", port))
         if self.monitor:
             port = self._mport(2)
             self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.bus_url, "--clickhouse",
                                     f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port),
                                     *self.monitor_args],
-                        f"http://127.0.0.1:{port}/metrics", "monitor")
+                        identity="monitor", **self._metrics("monitor", port))
         if self.env_builder:
             port = self._mport(3)
             self._start("env-builder", [py, "-m", "corral_env_builder", "--nats", self.bus_url, "--metrics-port", str(port),
-                                        *self.env_builder_args], f"http://127.0.0.1:{port}/metrics", "env-builder")
+                                        *self.env_builder_args], identity="env-builder", **self._metrics("env-builder", port))
         for i in range(self.nodes):
             node = f"node-{i + 1}"
             nd = os.path.join(self.data_dir, "nodes", node)
             port = self._mport(11 + 2 * i)
             self._start(f"loader-{i + 1}", [py, "-m", "corral_image_cache.loader", "--nats", self.bus_url, "--node", node,
                                             "--mount", os.path.join(nd, "fuse"), "--cache-dir", os.path.join(nd, "cache"),
-                                            "--metrics-port", str(port)], f"http://127.0.0.1:{port}/metrics", "image-loader")
+                                            "--metrics-port", str(port)], identity="image-loader", **self._metrics(f"loader-{i + 1}", port))
             port = self._mport(10 + 2 * i)
             self._start(node, [py, "-m", "corral_node_agent", "--nats", self.bus_url, "--node", node, "--state-dir", self.data_dir,
-                               "--metrics-port", str(port), *self.substrate_args(), *self.node_args], f"http://127.0.0.1:{port}/metrics",
-                        "node-agent")
+                               "--metrics-port", str(port), *self.substrate_args(), *self.node_args], identity="node-agent",
+                        **self._metrics(node, port))
         await self._wait_ready(timeout)
         if self.monitor:
             await self._wait_request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout)
@@ -323,7 +357,13 @@ class Stack:
     def _check_alive(self) -> None:
         for p in self.procs:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}; see {self.log_dir or self.data_dir + '/logs'}/{p.name}.log")
+                log = f"{self.log_dir or self.data_dir + '/logs'}/{p.name}.log"
+                try:  # the log goes with the data dir of a stack that failed to start: say how it ended here
+                    with open(log, errors="replace") as f:
+                        tail = "".join(f.readlines()[-15:])
+                except OSError:
+                    tail = ""
+                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}; see {log}, which ends:\n{tail}")
 
     async def _wait_request(self, subject: str, body: bytes, timeout: float) -> None:
         """Wait until `subject` answers `{"ok": true, ...}`."""
