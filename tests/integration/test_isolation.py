@@ -687,10 +687,13 @@ async def test_fork_bomb_is_contained_by_pids_limit(client):
         sampler = asyncio.create_task(sample())
         t0 = time.monotonic()
         try:
-            # the shell itself becomes `sleep` (no fork needed once the bomb has eaten the pids), so
-            # the exec ends only by its timeout, which must kill the whole bomb
-            # (10 s: on a loaded machine a throttled bomb takes seconds to reach the limit)
-            r = await sb.exec("bomb() { bomb | bomb & }; bomb; exec sleep 60", timeout_s=10)
+            # the bomb starts in a subshell (the one fork this shell makes, before anything else
+            # runs), then the shell itself becomes `sleep` (no fork needed once the bomb has eaten
+            # the pids), so the exec ends only by its timeout, which must kill the whole bomb. (Run
+            # from this shell directly, the bomb's first children could take the last pid before
+            # the shell's own second fork for the pipeline: ash exits 2 on "can't fork", seen once.)
+            # 10 s: on a loaded machine a throttled bomb takes seconds to reach the limit
+            r = await sb.exec("(bomb() { bomb | bomb & }; bomb); exec sleep 60", timeout_s=10)
         finally:
             stop.set()
             await sampler
