@@ -242,18 +242,7 @@ async def env():
                 umount(m, detach=True)
             except OSError:
                 pass
-        for lp in e.loaders:  # after a failure: stop what is still running, gracefully first
-            if lp.p is not None and lp.p.poll() is None:
-                lp.p.terminate()
-                try:
-                    lp.p.wait(10)
-                except subprocess.TimeoutExpired:
-                    lp.p.kill()
-                    lp.p.wait()
-        for _ in range(40):  # fusermount3's auto_unmount of a killed loader is asynchronous
-            if not mounts_under(tmp):
-                break
-            time.sleep(0.05)
+        stop_running_loaders(e)
         await nc.close()
         server.terminate()
         server.wait(10)
@@ -267,6 +256,22 @@ async def env():
         assert not left, f"mounts left behind: {left}"
 
 
+def stop_running_loaders(e: Env) -> None:
+    """After a failure: stop what is still running, gracefully first, and wait for its FUSE mount."""
+    for lp in e.loaders:
+        if lp.p is not None and lp.p.poll() is None:
+            lp.p.terminate()
+            try:
+                lp.p.wait(10)
+            except subprocess.TimeoutExpired:
+                lp.p.kill()
+                lp.p.wait()
+    for _ in range(40):  # fusermount3's auto_unmount of a killed loader is asynchronous
+        if not any(line.startswith("fuse") for line in mounts_under(e.tmp)):
+            break
+        time.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_mounts(env):
     yield
@@ -274,6 +279,7 @@ def _no_leaked_mounts(env):
     for dst in left:  # unmounted either way, so one failing test does not fail every later one
         with contextlib.suppress(OSError):
             env.umount(dst)
+    stop_running_loaders(env)  # nor does a loader a failing test left running
     assert left == [], f"test left EROFS mounts: {left}"
 
 
@@ -472,12 +478,18 @@ async def test_restart_keeps_the_cache(env):
     assert await read_all(root, names) == {n: sums[n] for n in names}
     warm_s = time.perf_counter() - t0
     st = await lp.stats()
-    assert st["fetches"] == 0 and st["bytes_fetched"] == 0 and st["chunk_hits"] > 0, st
+    # No chunk held before the restart is fetched again. The kernel's own readahead of the layer
+    # file is not the same from one mount to the next (its async window depends on timing), so the
+    # same files may touch a chunk next to the ones of the first pass (CI, stop 28: one 256 KiB
+    # chunk); such a chunk is new to the cache, and every fetch must be one of those.
+    grown = st["layers"][m.digest]["cached_chunks"] - before["cached_chunks"][m.digest]
+    assert st["chunk_hits"] > 0 and st["fetches"] == grown, (grown, st)
+    assert st["chunk_hits"] >= 10 * st["fetches"], st  # 57 hits and no fetch, most runs
     # the rest of the layer was never cached: reading it fetches (the cache is not just full)
     rest = sorted(set(sums) - set(names))
     assert await read_all(root, rest) == {n: sums[n] for n in rest}
     assert (await lp.stats())["fetches"] > 0
-    print(f"\nrestart: {len(names)} files cold {cold_s * 1000:.0f} ms, after restart (no fetch) {warm_s * 1000:.0f} ms")
+    print(f"\nrestart: {len(names)} files cold {cold_s * 1000:.0f} ms, after restart ({grown} new chunks) {warm_s * 1000:.0f} ms")
     env.umount(root)
     await lp.call("release", {"layers": [m.digest]})
     assert await lp.stop() == 0
