@@ -21,6 +21,9 @@ What does not depend on the call is done before it arrives, in two tiers per rec
   warm sandbox takes a slot, applies its disk size and workdir, writes config.json, runs runc and waits. Cheap to
   refill, so back-to-back calls always find one.
 
+A slot's runc gets no seccomp profile to compile: the call's process is corral-exec, which
+installs the program runc compiled for that profile once (function_filter.py), then the command.
+
 The reply goes out as soon as the command has exited; the teardown (cgroup, runc state, mounts,
 files, layer references) follows right after, off the caller's clock. Idle images' slots and warm
 sandboxes are released after `slot_idle_s`; a node-agent restart cleans up everything it finds.
@@ -40,10 +43,12 @@ from corral_common.contract.errors import InvalidRequest, Unavailable
 from corral_common.contract.messages import ExecRequest, SandboxInfo, SandboxSpec
 
 from .. import cgroups, confine, userns
+from ..initbin import ensure_binary
 from ..layermounts import LayerMounts
 from .base import AdoptReport, ChunkCallback, Sandbox
 from .container import ContainerSubstrate
 from .container_sandbox import DEFAULT_ENV, ContainerSandbox
+from .function_filter import CompiledFilters
 from .function_run import run_in_slot
 from .function_slots import Hold, Slot, prepare_slot
 from .runc_cli import readable
@@ -54,6 +59,7 @@ CALLS = metrics.counter("corral_function_calls_total", "Function calls by the ti
                         "sandbox), slot (runc in a prepared root) or cold (root prepared during the call)", ("node", "tier"))
 
 ID_PREFIX = "fn-"
+COMPILED_FILTER_ENV = "CORRAL_FUNCTION_COMPILED_FILTER"  # "off": runc compiles each call's seccomp profile
 WARM_QUIET_S = 0.25  # make a warm sandbox only after this long without a call starting (and none tearing down)
 
 
@@ -88,10 +94,21 @@ class FunctionSubstrate(ContainerSubstrate):
         self.tasks: set[asyncio.Task] = set()
         self.closing = False
         self.janitor: asyncio.Task | None = None
+        self.filters: CompiledFilters | None = None
 
     async def start(self) -> None:
         await super().start()
         self.janitor = asyncio.create_task(self._janitor())
+        if os.environ.get(COMPILED_FILTER_ENV, "on") == "off":
+            return
+        try:
+            exec_path = await asyncio.to_thread(ensure_binary, f"{self.state_dir}/bin", "corral-exec")
+        except Unavailable as e:
+            log.warning("function calls keep runc's seccomp compilation", extra={"fields": {"error": e.message}})
+            return
+        # the first call starts the capture (in the background), not this: reconcile() comes
+        # after start() and removes every fn- directory it finds, a capture's too
+        self.filters = CompiledFilters(self.runc, self.runc_root, self.sandboxes_dir, self.cgroup_parent, exec_path)
 
     # ------------------------------------------------------------------ not a long-lived sandbox
 
@@ -140,7 +157,7 @@ class FunctionSubstrate(ContainerSubstrate):
             self.running[slot.sid] = slot
             try:
                 async with self.watch_run(info, slot.rootfs):
-                    result = await run_in_slot(self, slot, spec, req, argv, env, cwd, on_chunk)
+                    result = await run_in_slot(self, slot, spec, req, argv, env, cwd, on_chunk, self.filters)
             except BaseException:
                 await asyncio.shield(self._release(slot))
                 raise
@@ -405,6 +422,8 @@ class FunctionSubstrate(ContainerSubstrate):
             self._drop_hold(h)
         if self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        if self.filters is not None:
+            await self.filters.close()
         await super().close()
 
 

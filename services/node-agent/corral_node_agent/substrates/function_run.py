@@ -11,10 +11,11 @@ import os
 import platform
 import signal
 import time
+from typing import Any
 
 import msgspec
 
-from corral_common import linux
+from corral_common import linux, metrics
 from corral_common.contract.errors import Internal, Unavailable
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxSpec
 
@@ -25,9 +26,12 @@ from .base import ChunkCallback
 from .common import result_stderr
 from .container import ContainerSubstrate
 from .container_exec import feed
+from .function_filter import EXEC_IN_SANDBOX, CompiledFilters
 from .function_slots import Slot
 from .runc_cli import wait_pid
 
+SECCOMP = metrics.counter("corral_function_seccomp_total", "Function calls in slots by who gave them their seccomp filter: "
+                          "compiled (corral-exec, the program captured from runc) or runc (compiling the profile)", ("node", "how"))
 MS_REMOUNT = 32
 NATIVE_ARCHES = {
     "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
@@ -35,11 +39,22 @@ NATIVE_ARCHES = {
 }
 
 
+def seccomp_profile() -> dict[str, Any]:
+    """A call's seccomp policy: the container substrate's without a listener, for only the
+    architectures this kernel can present (the filter, and runc's work compiling it, shrinks;
+    nothing is allowed that was denied: a foreign arch never matches here)."""
+    profile = oci.seccomp_profile()
+    profile["architectures"] = NATIVE_ARCHES.get(platform.machine(), profile["architectures"])
+    return profile
+
+
 async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, req: ExecRequest, argv: list[str],
-                      env: dict[str, str], cwd: str, on_chunk: ChunkCallback | None) -> ExecResult:
+                      env: dict[str, str], cwd: str, on_chunk: ChunkCallback | None,
+                      filters: CompiledFilters | None = None) -> ExecResult:
     """The call's command as the container's process in `slot`, under `sub`'s runc, runc root,
     cgroup parent and init binary; its result once it exits (or its cgroup is killed at the
-    timeout). The slot is the caller's to release."""
+    timeout). With `filters` holding the policy's compiled program, corral-exec installs it and
+    execs the command (function_filter.py). The slot is the caller's to release."""
     sid, sdir = slot.sid, slot.sdir
     t0 = time.perf_counter()
     if spec.disk_mb != slot.disk_mb:
@@ -65,9 +80,14 @@ async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, re
     for ns in cfg["linux"]["namespaces"]:
         if ns["type"] == "network":
             ns["path"] = f"{sdir}/netns"
-    # only the architectures this kernel can present: the filter (and runc's work compiling
-    # it) shrinks, nothing is allowed that was denied (a foreign arch never matches here)
-    cfg["linux"]["seccomp"]["architectures"] = NATIVE_ARCHES.get(platform.machine(), cfg["linux"]["seccomp"]["architectures"])
+    cfg["linux"]["seccomp"] = profile = seccomp_profile()
+    filter_fd = None
+    if filters is not None and (filter_fd := filters.lookup(profile)) is not None:
+        del cfg["linux"]["seccomp"]
+        cfg["mounts"].append({"destination": EXEC_IN_SANDBOX, "type": "bind", "source": filters.exec_path,
+                              "options": ["bind", "ro", "nosuid", "nodev"]})
+        cfg["process"]["args"] = [EXEC_IN_SANDBOX, "--", *argv]
+    SECCOMP.labels(sub.node, "runc" if filter_fd is None else "compiled").inc()
     with open(f"{sdir}/config.json", "wb") as f:
         f.write(msgspec.json.encode(cfg))
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
@@ -77,9 +97,10 @@ async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, re
     try:
         pid = os.posix_spawn(sub.runc, [
             sub.runc, "--root", sub.runc_root, "--log", f"{sdir}/runc.log", "run", "-d",
-            "--pid-file", f"{sdir}/pid", "--bundle", sdir, sid,
+            *(("--preserve-fds", "1") if filter_fd is not None else ()), "--pid-file", f"{sdir}/pid", "--bundle", sdir, sid,
         ], os.environ, file_actions=[
             (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2),
+            *([(os.POSIX_SPAWN_DUP2, filter_fd, 3)] if filter_fd is not None else []),
         ])
     except OSError:
         for fd in (in_r, in_w, out_r, out_w, err_r, err_w):

@@ -62,6 +62,7 @@ def prepare_slot(slot: Slot, lower: str, uids: userns.UidRanges | None, helper: 
     if uids is None or helper is None:
         mount_root(sdir, lower, slot.disk_mb)  # (with decodable handles: file activity with paths)
         make_netns(f"{sdir}/netns")
+        exec_mountpoint(slot)
         return
     slot.uid_base = uids.claim_for(slot.sid, sdir)
     user_fd, net_fd = helper.make(slot.uid_base, netns=True)
@@ -75,6 +76,16 @@ def prepare_slot(slot: Slot, lower: str, uids: userns.UidRanges | None, helper: 
         for fd in (user_fd, net_fd):
             if fd is not None:
                 os.close(fd)
+    exec_mountpoint(slot)
+
+
+def exec_mountpoint(slot: Slot) -> None:
+    """/.corral/exec, where a call's container finds corral-exec (function_filter.py), made now
+    rather than by runc during the call: a call's file activity is the command's own."""
+    with userns.acting_as(slot.uid_base):
+        os.makedirs(f"{slot.rootfs}/.corral", mode=0o755, exist_ok=True)
+        with open(f"{slot.rootfs}/.corral/exec", "a"):
+            pass
 
 
 def make_netns(path: str) -> None:
