@@ -1,7 +1,7 @@
 """A function call's seccomp filter, compiled once per node (substrates/function_filter.py): the
-program a call runs under is, instruction for instruction, the one runc compiles for the call's
-profile; corral-exec installs exactly one, before the command, gives the command nothing of its
-own (no fd 3) and fails a command that cannot run the way runc did (127, 126)."""
+program a call runs under answers every syscall as the program runc compiles for the call's
+profile does; corral-exec installs exactly one, before the command, leaves the command none of its
+own fds (the filter's fd 3 is closed) and fails a command that cannot run the way runc did (127, 126)."""
 from __future__ import annotations
 
 import asyncio
@@ -167,15 +167,19 @@ def test_nothing_of_the_nodes_capture_is_left(slots):
     assert left == [], left
 
 
+def cgroup_roots() -> list[str]:
+    """The v2 root and, on a v1 or hybrid host, each controller's hierarchy."""
+    return ["/sys/fs/cgroup"] + [f"/sys/fs/cgroup/{c}" for c in os.listdir("/sys/fs/cgroup") if not os.path.isfile(f"/sys/fs/cgroup/{c}")]
+
+
 def cgroup_children(rel: str) -> list[str]:
-    """Sub-cgroups of `rel` in every hierarchy that has it (v2, or each v1 controller)."""
-    roots = ["/sys/fs/cgroup"] + [f"/sys/fs/cgroup/{c}" for c in os.listdir("/sys/fs/cgroup") if not os.path.isfile(f"/sys/fs/cgroup/{c}")]
-    return [f"{r}{rel}/{d}" for r in roots if os.path.isdir(f"{r}{rel}") for d in os.listdir(f"{r}{rel}") if os.path.isdir(f"{r}{rel}/{d}")]
+    """Sub-cgroups of `rel` in every hierarchy that has it."""
+    return [f"{r}{rel}/{d}" for r in cgroup_roots() if os.path.isdir(f"{r}{rel}")
+            for d in os.listdir(f"{r}{rel}") if os.path.isdir(f"{r}{rel}/{d}")]
 
 
 def remove_cgroup(rel: str) -> None:
-    roots = ["/sys/fs/cgroup"] + [f"/sys/fs/cgroup/{c}" for c in os.listdir("/sys/fs/cgroup") if not os.path.isfile(f"/sys/fs/cgroup/{c}")]
-    for r in roots:
+    for r in cgroup_roots():
         for d in (f"{r}{rel}", os.path.dirname(f"{r}{rel}")):
             if d.rstrip("/") != r and os.path.isdir(d):
                 with contextlib.suppress(OSError):
