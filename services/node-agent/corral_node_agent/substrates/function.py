@@ -59,6 +59,7 @@ CALLS = metrics.counter("corral_function_calls_total", "Function calls by the ti
                         "sandbox), slot (runc in a prepared root) or cold (root prepared during the call)", ("node", "tier"))
 
 ID_PREFIX = "fn-"
+SCRATCH_MB = 1024  # cap of each in-memory dir of calls (_mount_scratch); pages are taken only as written
 COMPILED_FILTER_ENV = "CORRAL_FUNCTION_COMPILED_FILTER"  # "off": runc compiles each call's seccomp profile
 WARM_QUIET_S = 0.25  # make a warm sandbox only after this long without a call starting (and none tearing down)
 
@@ -97,6 +98,7 @@ class FunctionSubstrate(ContainerSubstrate):
         self.filters: CompiledFilters | None = None
 
     async def start(self) -> None:
+        await asyncio.to_thread(self._mount_scratch)
         await super().start()
         self.janitor = asyncio.create_task(self._janitor())
         if os.environ.get(COMPILED_FILTER_ENV, "on") == "off":
@@ -109,6 +111,17 @@ class FunctionSubstrate(ContainerSubstrate):
         # the first call starts the capture (in the background), not this: reconcile() comes
         # after start() and removes every fn- directory it finds, a capture's too
         self.filters = CompiledFilters(self.runc, self.runc_root, self.sandboxes_dir, self.cgroup_parent, exec_path)
+
+    def _mount_scratch(self) -> None:
+        """Each call's bundle (config, pid file, runc's log, namespace binds) and runc's state for
+        it live in memory: they are made and removed within the call, and on the node's disk
+        (ext4, journalled) that churn cost ~10% of a call's CPU at 16 at once (36 vs 33 calls/s
+        through the gateway). Kept across a node-agent restart (what it finds there is
+        reconciled), removed at close."""
+        for d, mode in ((self.sandboxes_dir, 0o711), (self.runc_root, 0o700)):
+            os.makedirs(d, mode=mode, exist_ok=True)
+            if not os.path.ismount(d):
+                linux.mount("tmpfs", d, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"mode={mode:o},size={SCRATCH_MB}m")
 
     # ------------------------------------------------------------------ not a long-lived sandbox
 
@@ -425,6 +438,9 @@ class FunctionSubstrate(ContainerSubstrate):
         if self.filters is not None:
             await self.filters.close()
         await super().close()
+        for d in (self.sandboxes_dir, self.runc_root):
+            if os.path.ismount(d):
+                await asyncio.to_thread(linux.umount_or_detach, d)
 
 
 # ---------------------------------------------------------------------- helpers
