@@ -50,6 +50,7 @@ from .docker_exec import close_session, exec_in
 from .docker_sandbox import DockerSandbox, Record, cgroup_rel, docker_error
 
 log = logging.getLogger("corral.node.docker")
+PAUSE_STATE_WAIT_S = 5.0  # how long a pause or resume waits for dockerd to report the new state
 
 
 class DockerSubstrate(Substrate):
@@ -265,6 +266,12 @@ class DockerSubstrate(Substrate):
             return
         try:
             await (sb.container.pause() if paused else sb.container.unpause())
+            # dockerd answers once containerd has frozen or thawed the cgroup, but sets the
+            # container's Paused state from containerd's event afterwards: an exec in between is
+            # refused as "paused" (cc34). Answer once dockerd itself says so.
+            deadline = time.monotonic() + PAUSE_STATE_WAIT_S
+            while (await sb.container.show())["State"].get("Paused") != paused and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         except DockerError as e:
             raise docker_error(e, f"{'pause' if paused else 'resume'} {sb.id}") from None
         sb.paused = paused
