@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import nats
@@ -313,6 +314,49 @@ async def test_replica_killed_mid_batch_loses_nothing_and_doubles_nothing():
         # and once more, now that everything is settled: the same answer, nothing new
         again = json.loads((await nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=60)).data)
         assert sorted(s["id"] for s in again["sandboxes"]) == ids and len(held_by(nodes, rid)) == count
+    finally:
+        for n in nodes:
+            await n.stop()
+        await nc.close()
+        if replica is not None:
+            replica.terminate()
+            try:
+                replica.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                replica.kill()
+        await stack.stop()
+        shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
+async def test_a_new_replica_places_on_nodes_whose_bucket_entries_have_aged():
+    """A replica starting while no other scheduler runs finds the nodes bucket only as fresh as its
+    last refresh (every few seconds, all nodes that started together in one phase): it must place
+    on those nodes at once, not answer `capacity` until their next heartbeats happen to arrive."""
+    from corral_common.contract.messages import Heartbeat, encoder
+    from corral_scheduler.nodes import KV_REFRESH_S
+
+    stack = make_stack(nodes=0)
+    await stack.start()
+    nc = await nats.connect(stack.url)
+    nodes: list[SimNode] = []
+    replica = None
+    try:
+        for i in range(3):  # heartbeats every 2 s: a replica answering before it hears them fails
+            nodes.append(await SimNode(nc, f"aged{i}-{secrets.token_hex(3)}", cpu=8.0, memory_mb=65536).start(interval=2.0))
+        old = stack.proc("scheduler").popen
+        old.send_signal(signal.SIGKILL)
+        old.wait(timeout=10)
+        kv = await nc.jetstream().key_value(subjects.KV_NODES)
+        for n in nodes:  # as the bucket stands just before its next refresh: older than stale_after_s
+            hb = Heartbeat(node=n.name, ts=time.time() - 5.0 - KV_REFRESH_S / 2, capacity=n.capacity, usage=n.usage(),
+                           substrates=n.substrates)
+            await kv.put(n.name, encoder.encode(hb))
+        replica = _replica(stack.url)
+        await _ready(replica)
+        job = f"aged-{secrets.token_hex(3)}"
+        r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.5, "memory_mb": 64, "job": job}, "count": 6})
+        assert r["ok"] is True and r["failed"] == [], r
+        assert len(held_by(nodes, job)) == 6
     finally:
         for n in nodes:
             await n.stop()

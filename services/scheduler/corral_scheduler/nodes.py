@@ -34,13 +34,16 @@ class Nodes:
         self.stale_after_s = stale_after_s
         self.kv_put_at: dict[str, float] = {}  # node -> when its bucket entry was last written (monotonic)
 
-    async def load(self) -> None:
+    async def load(self) -> set[str]:
         """The nodes other replicas heard recently: a restarted replica places at once instead of
-        waiting a heartbeat interval for every node."""
+        waiting a heartbeat interval for every node. Returns every node whose entry is young enough
+        that it is probably alive: an entry is rewritten only every KV_REFRESH_S, so a live node's
+        can be older than stale_after_s, and those are not placed on until they are heard."""
         try:
             keys = await self.kv.keys()
         except Exception:
-            return
+            return set()
+        recent: set[str] = set()
         for k in keys:
             try:
                 e = await self.kv.get(k)
@@ -49,8 +52,28 @@ class Nodes:
                 hb = msgspec.json.decode(e.value, type=Heartbeat)
             except Exception:  # a node's entry deleted meanwhile, or unreadable: its next heartbeat counts
                 continue
-            if time.time() - hb.ts < self.stale_after_s:
+            age = time.time() - hb.ts
+            if hb.stopping or age >= self.stale_after_s + KV_REFRESH_S:
+                continue
+            recent.add(hb.node)
+            if age < self.stale_after_s and hb.node not in self.registry.nodes:  # not over a live one
                 self.registry.heartbeat(hb)
+        return recent
+
+    async def hear(self, names: set[str], timeout_s: float) -> int:
+        """Wait (at most timeout_s) until each of `names` has heartbeated to this replica; returns
+        how many were heard. A replica that answered before hearing the nodes whose bucket entries
+        had aged would refuse work for want of capacity it has (all nodes that started together
+        share one refresh phase, so they age out of the bucket together)."""
+        since = time.monotonic()
+        deadline = since + timeout_s
+
+        def heard() -> int:
+            return sum(1 for n in names if (st := self.registry.nodes.get(n)) is not None and st.seen >= since)
+
+        while heard() < len(names) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return heard()
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -73,10 +73,13 @@ class Scheduler:
 
         await admission.start()
         self._spawn(admission.watch())
-        await nodes.load()
+        await nc.subscribe(subjects.NODE_HEARTBEAT, cb=nodes.on_heartbeat)
+        recent = await nodes.load()
         await placements.start()
         self._spawn(placements.watch())
-        await nc.subscribe(subjects.NODE_HEARTBEAT, cb=nodes.on_heartbeat)
+        heard = await nodes.hear(recent, cfg.stale_after_s / 2)
+        if heard < len(recent):
+            logs.kv(log, logging.WARNING, "nodes in the bucket not heard at start", missing=len(recent) - heard)
         self._spawn(nodes.lost_loop())
         responder = bus.Responder(nc, "scheduler", package="corral_scheduler")
         q = subjects.SCHEDULER_QUEUE
