@@ -4,8 +4,7 @@ answered (a sandbox, or a clear error that a retry with the same request_id sett
 second sandbox), every exec answered is audited exactly once, every trajectory step runs exactly
 once (a step asked again is answered from the log), and the killed server rejoins.
 
-What stays for the multi-host part of the cluster issue: hosts as network namespaces, a killed
-host, a cut link (tests/integration has no such topology yet)."""
+Hosts as network namespaces, a killed host and a cut link: test_hosts.py."""
 from __future__ import annotations
 
 import asyncio

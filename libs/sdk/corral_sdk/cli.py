@@ -68,6 +68,9 @@ def up(
     gateway_port: int = typer.Option(None, help="also serve the SandboxFusion API (`corral gateway`) on this port"),
     cluster: int = typer.Option(1, help="nats-servers: 1, or a cluster of 3 or more (routes on loopback, JetStream at "
                                         "replicas 3); the first listens on --nats-port"),
+    hosts: int = typer.Option(0, help="3 or more: run them as hosts on this machine (network namespaces on a bridge, "
+                                      "each with its own nats-server of the cluster, node-agents spread over them, "
+                                      "2 scheduler replicas); needs root"),
 ) -> None:
     """Start NATS, the scheduler and node-agents on this machine; stop them all on SIGINT/SIGTERM."""
     from corral_common.lifecycle import run_until_signalled
@@ -81,7 +84,10 @@ def up(
     if cluster < 1 or cluster == 2:
         console.print(f"[red]--cluster {cluster}:[/red] 1, or 3 or more (JetStream needs a majority of its servers up)")
         raise typer.Exit(2)
-    stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats, cluster=cluster,
+    if hosts and (hosts < 3 or nats):
+        console.print(f"[red]--hosts {hosts}:[/red] 3 or more, each running its own nats-server (not with --nats)")
+        raise typer.Exit(2)
+    stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats, cluster=cluster, hosts=hosts,
                   image_dir=image_dir, metrics_port=metrics_port, docker=docker,
                   node_args=[a for w in warm_pool for a in ("--warm-pool", w)], gateway_port=gateway_port)
 

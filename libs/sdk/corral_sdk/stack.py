@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 import nats
@@ -25,7 +25,7 @@ from corral_common.contract import subjects
 from corral_common.contract.errors import Unavailable
 from corral_common.contract.messages import Heartbeat
 
-from . import stackauth, stackguard
+from . import stackauth, stackguard, stackhosts
 from .stackauth import OPERATOR
 
 
@@ -54,6 +54,7 @@ class Proc:
     argv: list[str] = field(default_factory=list)
     identity: str | None = None  # whose credentials it connects to the bus with
     metrics_file: str = ""  # where the process writes the URL of the port it picked (metrics.URL_FILE_ENV)
+    host: int | None = None  # the host (network namespace) it runs in, with `Stack.hosts`
 
     @property
     def metrics_url(self) -> str:
@@ -81,6 +82,8 @@ class Stack:
     nats_port: int = 4222
     nats_url: str | None = None  # use an existing NATS instead of starting one
     cluster: int = 1  # nats-servers to run: 1, or a cluster of 3 or more with JetStream at replicas 3
+    hosts: int = 0  # 0: every process on loopback; 3 or more: hosts as network namespaces (stackhosts), each with
+    # its own nats-server of the cluster; node i on host i % hosts, 2 scheduler replicas, monitor and env-builder spread
     image_dir: str | None = None
     metrics_port: int = 0  # 0: free ports; else scheduler on it, node i on it+1+i
     log_dir: str | None = None
@@ -99,6 +102,7 @@ class Stack:
     _guard_w: int | None = field(default=None, init=False, repr=False)  # the pipe end whose close tells the guard the owner is gone
     passwords: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # identity -> password (stackauth)
     servers: list[stackauth.Server] = field(default_factory=list, init=False, repr=False)  # the nats-servers it runs
+    topology: stackhosts.Hosts | None = field(default=None, init=False, repr=False)
 
     @property
     def bus_url(self) -> str:
@@ -137,9 +141,21 @@ class Stack:
         os.makedirs(d, mode=0o700, exist_ok=True)
         return open(os.path.join(d, f"{name}.log"), "ab")
 
-    def _start(self, name: str, argv: list[str], metrics_url: str = "", identity: str | None = None, metrics_file: str = "") -> Proc:
+    def host_url(self, host: int | None) -> str:
+        """The bus URL a process on `host` is given: its host's own nats-server (the client learns
+        the cluster's other servers from it), or the whole list without hosts."""
+        if host is None or not self.servers:
+            return self.bus_url
+        return f"nats://{self.servers[host].listen}"
+
+    def _start(self, name: str, argv: list[str], metrics_url: str = "", identity: str | None = None, metrics_file: str = "",
+               host: int | None = None) -> Proc:
         log = self._log(name)
         env = dict(os.environ)
+        run = argv
+        if host is not None and self.topology is not None:
+            run = self.topology.wrap(host, argv)
+            env["CORRAL_METRICS_HOST"] = self.topology.address(host)
         if metrics_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(metrics_file)  # a restarted process's old port
@@ -150,9 +166,9 @@ class Stack:
                 env[auth.CATALOG_CREDS_ENV] = auth.creds_path(stackauth.CATALOG, self.data_dir)
         if identity is not None and self.servers:
             env[config.REPLICAS_ENV] = str(self.js_replicas)
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        p = subprocess.Popen(run, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         log.close()
-        proc = Proc(name, p, metrics_url, argv, identity, metrics_file)
+        proc = Proc(name, p, metrics_url, argv, identity, metrics_file, host)
         self.procs.append(proc)
         self._tell_guard(f"+ {p.pid} {name}\n".encode())
         return proc
@@ -206,7 +222,7 @@ class Stack:
         if old.popen.poll() is None:
             raise RuntimeError(f"{name} is still running")
         self.procs.remove(old)
-        return self._start(name, old.argv, old.fixed_metrics_url, old.identity, old.metrics_file)
+        return self._start(name, old.argv, old.fixed_metrics_url, old.identity, old.metrics_file, old.host)
 
     def substrate_args(self) -> list[str]:
         """`container` and `function` on every node by default, `docker` too with `docker=True`;
@@ -222,12 +238,15 @@ class Stack:
         and then (with each other: ~10 per stack, ~100 stacks per test run)."""
         return self.metrics_port + i if self.metrics_port else 0
 
-    def _metrics(self, name: str, port: int) -> dict[str, str]:
-        """The `_start` keywords for a process serving /metrics on `port` (0: its own pick)."""
+    def _metrics(self, name: str, port: int, host: int | None = None) -> dict[str, Any]:
+        """The `_start` keywords for a process on `host` serving /metrics on `port` (0: its own pick)."""
+        if self.topology is None or host is None:
+            host = None
         if port:
-            return {"metrics_url": f"http://127.0.0.1:{port}/metrics"}
+            addr = "127.0.0.1" if host is None or self.topology is None else self.topology.address(host)
+            return {"metrics_url": f"http://{addr}:{port}/metrics", "host": host}
         os.makedirs(os.path.join(self.data_dir, "run"), exist_ok=True)
-        return {"metrics_file": os.path.join(self.data_dir, "run", f"{name}.metrics-url")}
+        return {"metrics_file": os.path.join(self.data_dir, "run", f"{name}.metrics-url"), "host": host}
 
     def check_installed(self) -> None:
         """The services' packages are extras (a plain `pip install corral` is the SDK only): say
@@ -244,8 +263,15 @@ class Stack:
     async def start(self, timeout: float = 60.0) -> None:
         self.check_installed()
         os.makedirs(self.data_dir, exist_ok=True)
+        if self.hosts and (self.hosts < 3 or self.nats_url):
+            raise ValueError("hosts: 3 or more, each running a nats-server of the stack's cluster (not with nats_url)")
+        if self.hosts:
+            self.cluster = self.hosts
         self._start_guard()
         try:
+            if self.hosts:
+                self.topology = stackhosts.Hosts.plan(self.hosts)
+                self.topology.create(self.data_dir)
             await self._start_all(timeout)
         except BaseException:
             await self.stop()
@@ -256,34 +282,28 @@ class Stack:
             await self._start_nats(timeout)
         py = sys.executable
         img = ["--image-dir", self.image_dir] if self.image_dir else []
+        h = self._place  # the host each process runs on (None without hosts)
         port = self._mport(1)
-        self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.bus_url, "--metrics-port", str(port), *img],
-                    identity="image-cache", **self._metrics("image-cache", port))
+        self._start("image-cache", [py, "-m", "corral_image_cache", "--nats", self.host_url(h(0)), "--metrics-port", str(port), *img],
+                    identity="image-cache", **self._metrics("image-cache", port, h(0)))
         await self._wait_request(subjects.IMAGE_INSPECT, b'{"name": "busybox"}', timeout)
-        port = self._mport(0)
-        self._start("scheduler", [py, "-m", "corral_scheduler", "--nats", self.bus_url, "--metrics-port", str(port), *self.scheduler_args],
-                    identity="scheduler", **self._metrics("scheduler", port))
+        schedulers = [("scheduler", 0, h(0))] + ([("scheduler-2", 4, h(1))] if self.topology else [])
+        for name, k, host in schedulers:
+            port = self._mport(k)
+            self._start(name, [py, "-m", "corral_scheduler", "--nats", self.host_url(host), "--metrics-port", str(port),
+                               *self.scheduler_args], identity="scheduler", **self._metrics(name, port, host))
         if self.monitor:
             port = self._mport(2)
-            self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.bus_url, "--clickhouse",
+            self._start("monitor", [py, "-m", "corral_monitor", "--nats", self.host_url(h(2)), "--clickhouse",
                                     f"chdb://{os.path.abspath(self.data_dir)}/monitor.db", "--metrics-port", str(port),
                                     *self.monitor_args],
-                        identity="monitor", **self._metrics("monitor", port))
+                        identity="monitor", **self._metrics("monitor", port, h(2)))
         if self.env_builder:
             port = self._mport(3)
-            self._start("env-builder", [py, "-m", "corral_env_builder", "--nats", self.bus_url, "--metrics-port", str(port),
-                                        *self.env_builder_args], identity="env-builder", **self._metrics("env-builder", port))
+            self._start("env-builder", [py, "-m", "corral_env_builder", "--nats", self.host_url(h(3)), "--metrics-port", str(port),
+                                        *self.env_builder_args], identity="env-builder", **self._metrics("env-builder", port, h(3)))
         for i in range(self.nodes):
-            node = f"node-{i + 1}"
-            nd = os.path.join(self.data_dir, "nodes", node)
-            port = self._mport(11 + 2 * i)
-            self._start(f"loader-{i + 1}", [py, "-m", "corral_image_cache.loader", "--nats", self.bus_url, "--node", node,
-                                            "--mount", os.path.join(nd, "fuse"), "--cache-dir", os.path.join(nd, "cache"),
-                                            "--metrics-port", str(port)], identity="image-loader", **self._metrics(f"loader-{i + 1}", port))
-            port = self._mport(10 + 2 * i)
-            self._start(node, [py, "-m", "corral_node_agent", "--nats", self.bus_url, "--node", node, "--state-dir", self.data_dir,
-                               "--metrics-port", str(port), *self.substrate_args(), *self.node_args], identity="node-agent",
-                        **self._metrics(node, port))
+            self._start_node(i)
         await self._wait_ready(timeout)
         if self.monitor:
             await self._wait_request(subjects.MONITOR_QUERY, b'{"sql": "SELECT 1"}', timeout)
@@ -295,6 +315,23 @@ class Stack:
                         f"{self.gateway_url}/metrics", "gateway")
             await self._wait_port("127.0.0.1", self.gateway_port, timeout)
 
+    def _place(self, k: int) -> int | None:
+        """The host of the k-th process of a kind (None without hosts): round robin."""
+        return None if self.topology is None else k % self.topology.count
+
+    def _start_node(self, i: int) -> None:
+        """Node i's image loader and node-agent, on host i % hosts."""
+        py, node, host = sys.executable, f"node-{i + 1}", self._place(i)
+        nd, url = os.path.join(self.data_dir, "nodes", node), self.host_url(host)
+        port = self._mport(11 + 2 * i)
+        self._start(f"loader-{i + 1}", [py, "-m", "corral_image_cache.loader", "--nats", url, "--node", node,
+                                        "--mount", os.path.join(nd, "fuse"), "--cache-dir", os.path.join(nd, "cache"),
+                                        "--metrics-port", str(port)], identity="image-loader", **self._metrics(f"loader-{i + 1}", port, host))
+        port = self._mport(10 + 2 * i)
+        self._start(node, [py, "-m", "corral_node_agent", "--nats", url, "--node", node, "--state-dir", self.data_dir,
+                           "--metrics-port", str(port), *self.substrate_args(), *self.node_args], identity="node-agent",
+                    **self._metrics(node, port, host))
+
     def _nats_name(self, i: int) -> str:
         return "nats-server" if self.cluster == 1 else f"nats-server-{i + 1}"
 
@@ -305,15 +342,22 @@ class Stack:
             raise ValueError("a stack runs 1 nats-server or a cluster of 3 or more (JetStream needs a majority)")
         store = os.path.join(self.data_dir, "nats")
         self.passwords = stackauth.ensure_credentials(self.data_dir)
-        ports = [self.nats_port] + [free_port() for _ in range(self.cluster - 1)]
-        self.servers = [stackauth.Server(f"corral-{i + 1}", f"127.0.0.1:{port}", store if self.cluster == 1 else f"{store}/{i + 1}",
-                                         f"127.0.0.1:{free_port()}" if self.cluster > 1 else "")
-                        for i, port in enumerate(ports)]
+        if self.topology is not None:  # each host's server on its own address, the usual ports
+            listen = [(self.topology.address(i), self.nats_port, 6222) for i in range(self.cluster)]
+        else:
+            listen = [("127.0.0.1", self.nats_port if i == 0 else free_port(), free_port()) for i in range(self.cluster)]
+        self.servers = [stackauth.Server(f"corral-{i + 1}", f"{a}:{port}", store if self.cluster == 1 else f"{store}/{i + 1}",
+                                         f"{a}:{route}" if self.cluster > 1 else "")
+                        for i, (a, port, route) in enumerate(listen)]
         for i, conf in enumerate(stackauth.write_server_config(self.data_dir, self.servers)):
-            self._start(self._nats_name(i), [nats_server_binary(), "-c", conf])
-        for port in ports:
-            await self._wait_port("127.0.0.1", port, timeout)
+            self._start(self._nats_name(i), [nats_server_binary(), "-c", conf], host=self._place(i))
+        for i in range(self.cluster):
+            await self._wait_server(i, timeout)
         await self._wait_jetstream(timeout)
+
+    async def _wait_server(self, i: int, timeout: float) -> None:
+        addr, port = self.servers[i].listen.rsplit(":", 1)
+        await self._wait_port(addr, int(port), timeout)
 
     def kill_nats(self, i: int) -> None:
         """SIGKILL nats-server `i` (0-based) of the cluster: a crashed server, for chaos tests."""
@@ -324,7 +368,43 @@ class Stack:
     async def restart_nats(self, i: int, timeout: float = 60.0) -> None:
         """Start nats-server `i` again after `kill_nats`, and wait until it serves."""
         self.restart(self._nats_name(i))
-        await self._wait_port("127.0.0.1", int(self.servers[i].listen.rsplit(":", 1)[1]), timeout)
+        await self._wait_server(i, timeout)
+
+    def _host(self, i: int) -> stackhosts.Hosts:
+        if self.topology is None or not 0 <= i < self.topology.count:
+            raise ValueError(f"no host {i}: the stack runs {self.hosts} hosts")
+        return self.topology
+
+    def kill_host(self, i: int) -> list[str]:
+        """Host `i` dies (0-based): every process in its network namespace gets SIGKILL, and so
+        do its nodes' sandboxes (which a real host takes down with it). Returns the names of the
+        stack's processes that died with it."""
+        self._host(i).kill(i)
+        gone = [p for p in self.procs if p.host == i]
+        for p in gone:
+            p.popen.wait()
+        for p in gone:
+            if p.name.startswith("node-"):
+                stackguard.sweep_node_cgroups(self.data_dir, p.name)
+        return [p.name for p in gone]
+
+    async def restart_host(self, i: int, timeout: float = 60.0) -> None:
+        """Host `i` boots again after `kill_host`: its processes start again in the stack's order
+        (nats-server first)."""
+        self._host(i)
+        names = sorted((p.name for p in self.procs if p.host == i), key=lambda n: -stackguard.stop_order(n))
+        for name in names:
+            p = self.restart(name)
+            if name.startswith("nats-server"):  # only it is checked: the rest of the host is not back yet
+                addr, port = self.servers[int(name.rsplit("-", 1)[1]) - 1].listen.rsplit(":", 1)
+                await self._wait_port(addr, int(port), timeout, [p])
+
+    def cut_link(self, i: int) -> None:
+        """Host `i`'s link goes down: nothing on it reaches the others, nor they it."""
+        self._host(i).cut(i)
+
+    def heal_link(self, i: int) -> None:
+        self._host(i).heal(i)
 
     async def _wait_jetstream(self, timeout: float) -> None:
         nc = await nats.connect(auth.servers(self.url), connect_timeout=5, **auth.connect_options(self.url))
@@ -342,10 +422,10 @@ class Stack:
         finally:
             await nc.close()
 
-    async def _wait_port(self, host: str, port: int, timeout: float) -> None:
+    async def _wait_port(self, host: str, port: int, timeout: float, procs: list[Proc] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._check_alive()
+            self._check_alive(procs)
             try:
                 _, w = await asyncio.open_connection(host, port)
                 w.close()
@@ -354,8 +434,8 @@ class Stack:
                 await asyncio.sleep(0.05)
         raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:g}s")
 
-    def _check_alive(self) -> None:
-        for p in self.procs:
+    def _check_alive(self, procs: list[Proc] | None = None) -> None:
+        for p in self.procs if procs is None else procs:
             if p.popen.poll() is not None:
                 log = f"{self.log_dir or self.data_dir + '/logs'}/{p.name}.log"
                 try:  # the log goes with the data dir of a stack that failed to start: say how it ended here
@@ -432,6 +512,8 @@ class Stack:
         self._sweep_cgroups()
         self._sweep_mounts()
         stackguard.sweep_uid_ranges(self.data_dir)
+        stackhosts.sweep(self.data_dir)
+        self.topology = None
         await self._stop_guard()
 
     def _sweep_cgroups(self) -> None:

@@ -32,6 +32,8 @@ import sys
 import time
 from collections.abc import Iterable
 
+from . import stackhosts
+
 BYE = b"bye\n"
 
 
@@ -55,46 +57,51 @@ def sweep_cgroups(data_dir: str, nodes: int) -> None:
     this stack's node cgroups is killed and the cgroups removed, the node's parent cgroup
     included, so nothing of the stack outlives it."""
     for i in range(nodes):
-        try:
-            with open(os.path.join(data_dir, "nodes", f"node-{i + 1}", "cgroup-parent")) as f:
-                parent = f.read().strip().strip("/")
-        except OSError:
-            continue
-        if not parent:
-            continue
-        tops = [d for d in (os.path.join("/sys/fs/cgroup", h, parent) for h in os.listdir("/sys/fs/cgroup")) if os.path.isdir(d)]
+        sweep_node_cgroups(data_dir, f"node-{i + 1}")
+
+
+def sweep_node_cgroups(data_dir: str, node: str) -> None:
+    """Kill every process in one node's cgroups and remove them (also: a host of the stack dying)."""
+    try:
+        with open(os.path.join(data_dir, "nodes", node, "cgroup-parent")) as f:
+            parent = f.read().strip().strip("/")
+    except OSError:
+        return
+    if not parent:
+        return
+    tops = [d for d in (os.path.join("/sys/fs/cgroup", h, parent) for h in os.listdir("/sys/fs/cgroup")) if os.path.isdir(d)]
+    for top in tops:
+        for d, _, _ in os.walk(top):
+            if os.path.exists(f"{d}/freezer.state"):
+                try:
+                    with open(f"{d}/freezer.state", "w") as f:
+                        f.write("THAWED")
+                except OSError:
+                    pass  # gone meanwhile; a frozen survivor is killed below anyway (SIGKILL is queued)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        pids: set[int] = set()
         for top in tops:
             for d, _, _ in os.walk(top):
-                if os.path.exists(f"{d}/freezer.state"):
-                    try:
-                        with open(f"{d}/freezer.state", "w") as f:
-                            f.write("THAWED")
-                    except OSError:
-                        pass  # gone meanwhile; a frozen survivor is killed below anyway (SIGKILL is queued)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            pids: set[int] = set()
-            for top in tops:
-                for d, _, _ in os.walk(top):
-                    try:
-                        with open(f"{d}/cgroup.procs") as f:
-                            pids.update(int(x) for x in f.read().split())
-                    except OSError:
-                        pass  # removed meanwhile: nothing left in it
-            if not pids:
-                break
-            for pid in pids:
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    with open(f"{d}/cgroup.procs") as f:
+                        pids.update(int(x) for x in f.read().split())
                 except OSError:
-                    pass  # exited meanwhile
-            time.sleep(0.05)
-        for top in tops:
-            for d, _, _ in sorted(os.walk(top, topdown=False), key=lambda w: -w[0].count("/")):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass  # still populated (a process that would not die): left for the next sweep
+                    pass  # removed meanwhile: nothing left in it
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # exited meanwhile
+        time.sleep(0.05)
+    for top in tops:
+        for d, _, _ in sorted(os.walk(top, topdown=False), key=lambda w: -w[0].count("/")):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # still populated (a process that would not die): left for the next sweep
 
 
 def sweep_mounts(data_dir: str) -> None:
@@ -193,6 +200,7 @@ def watch(stream: Iterable[bytes], data_dir: str, nodes: int, timeout: float, re
     sweep_cgroups(data_dir, nodes)
     sweep_mounts(data_dir)
     sweep_uid_ranges(data_dir)
+    stackhosts.sweep(data_dir)
     if remove_data_dir:
         shutil.rmtree(data_dir, ignore_errors=True)
     log("stack stopped")

@@ -111,12 +111,31 @@ class Nodes:
             alive = {s.hb.node for s in self.registry.alive()}
             for node, st in list(self.registry.nodes.items()):
                 if node in alive:
-                    lost.discard(node)
+                    if node in lost:
+                        lost.discard(node)
+                        await self._tell_heard_again(node)
                     continue
-                if node in lost or st.hb.stopping:
+                if st.hb.stopping:
+                    continue
+                if node in lost:
+                    # placements of a lost node that reached this replica after it was declared
+                    # lost (its last writes still on their way through the KV watch, or claims
+                    # of a batch it died making): lost as well, or they were listed forever
+                    if self.placements.on_node(node):
+                        await self._declare_lost(node, now)
                     continue
                 lost.add(node)
                 await self._declare_lost(node, now)
+
+    async def _tell_heard_again(self, node: str) -> None:
+        """A node declared lost heartbeats again. It may never have heard that it was declared
+        lost: a partition (its link cut) leaves its own connection to its nats-server up, so
+        neither a reconnect nor a gap in its heartbeats tells it, and the event went out while
+        nothing reached it. Say it again now that it is heard: it writes its live sandboxes'
+        placements back (a node that already did finds nothing missing)."""
+        logs.kv(log, logging.WARNING, "node heard again after it was declared lost", node=node)
+        await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode(
+            Event(kind="lost", ts=time.time(), node=node, reason="declared lost while unreachable; heard again")))
 
     async def _declare_lost(self, node: str, now: float) -> None:
         victims = self.placements.on_node(node)

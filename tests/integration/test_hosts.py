@@ -1,0 +1,307 @@
+"""corral across hosts (`corral up --hosts 3`): three network namespaces on a bridge, each with
+its own nats-server of a 3-server cluster (JetStream at replicas 3), a node-agent and its image
+loader; two scheduler replicas, the monitor and the env-builder spread over them, every process
+started with the CLI a deployment uses and given its own host's server only.
+
+Chaos under load, with nothing lost: a host killed outright (every process in its namespace and
+its sandboxes) while a batch of creates, exec streams and trajectories run; a host's link cut and
+healed. Afterwards every create is answered and settles on a retry with its request_id, no
+sandbox is owned twice, every answered exec is audited exactly once, trajectories of the dead
+host resume on others from their snapshots with every step run once, and nothing is left over
+(running_stack checks each node). The recovery times are printed (bench/cluster.py reports them)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import time
+
+import pytest
+
+from corral_common.contract import subjects
+from corral_common.contract.audit import QueryReply, QueryRequest
+from corral_common.contract.errors import CorralError, Timeout, Unavailable
+from corral_common.contract.messages import SandboxSpec
+from corral_sdk import AsyncClient
+from corral_sdk.stack import Stack
+
+from ..conftest import running_stack
+
+pytestmark = pytest.mark.slow
+
+BATCH = 1000
+VICTIM = 1  # host 2: nats-server-2, scheduler-2, loader-2, node-2
+CUT = 2  # host 3: nats-server-3, the monitor, loader-3, node-3
+
+
+@pytest.fixture(scope="module")
+async def hosts():
+    async with running_stack(nodes=3, hosts=3) as s:
+        yield s
+
+
+def _netns(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+async def _rows(c: AsyncClient, sql: str) -> list[list[object]]:
+    return (await c.request(subjects.MONITOR_QUERY, QueryRequest(sql=sql), QueryReply, 30)).rows
+
+
+async def _audited_once(c: AsyncClient, job: str, answered: set[str]) -> None:
+    """Every exec answered is in ClickHouse exactly once (none lost, none twice)."""
+    deadline = time.monotonic() + 120
+    while True:
+        rows = await _rows(c, f"SELECT cmd, count() FROM audit_events FINAL WHERE job = '{job}' AND kind = 'exec' GROUP BY cmd")
+        seen = {str(r[0]): int(str(r[1])) for r in rows}
+        if answered <= set(seen) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert sorted(answered - set(seen)) == [], "execs answered but never audited"
+    assert {cmd: n for cmd, n in seen.items() if n != 1} == {}, "execs audited twice"
+
+
+class Load:
+    """Exec streams on a set of sandboxes: what came back, and the errors (which must be ones a
+    caller can act on: a timeout or unavailable, never a wrong answer)."""
+
+    def __init__(self, job: str):
+        self.job = job
+        self.answered: dict[str, str] = {}
+        self.errors: list[CorralError] = []
+        self.stop = asyncio.Event()
+
+    async def stream(self, sb, w: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            cmd = f"echo {self.job}-w{w}-{i}"
+            i += 1
+            try:
+                self.answered[cmd] = (await sb.exec(cmd, timeout_s=10)).stdout
+            except (Timeout, Unavailable) as e:
+                self.errors.append(e)
+            await asyncio.sleep(0.05)
+
+    def check(self) -> None:
+        assert self.answered, self.errors
+        assert {cmd: out for cmd, out in self.answered.items() if out != cmd.removeprefix("echo ") + "\n"} == {}
+
+
+async def _until(what, timeout: float = 120.0, every: float = 0.2) -> float:
+    """Seconds until `what()` (a coroutine function) returns true."""
+    t0 = time.monotonic()
+    while not await what():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout:g}s: {what.__doc__ or what}"
+        await asyncio.sleep(every)
+    return time.monotonic() - t0
+
+
+async def test_every_host_is_a_network_of_its_own(hosts: Stack):
+    topo = hosts.topology
+    assert topo is not None
+    root = _netns(os.getpid())
+    nets = [os.stat(f"/run/netns/{topo.netns(i)}").st_ino for i in range(3)]
+    assert len(set(nets)) == 3 and root not in nets
+    placed = {p.name: p.host for p in hosts.procs}
+    for p in hosts.procs:
+        assert _netns(p.popen.pid) == nets[p.host], p.name
+    # two scheduler replicas, the monitor and the env-builder not all on one host; a node per host
+    assert placed["scheduler"] != placed["scheduler-2"] and placed["monitor"] not in (placed["scheduler"], placed["scheduler-2"])
+    assert {placed[f"node-{i}"] for i in (1, 2, 3)} == {0, 1, 2}
+    # each server listens on its host's address only: nothing on loopback here answers for it
+    port = int(hosts.servers[0].listen.rsplit(":", 1)[1])
+    with socket.socket() as s, pytest.raises(OSError):
+        s.settimeout(2)
+        s.connect(("127.0.0.1", port))
+    async with await AsyncClient.connect(hosts.url) as c:
+        for st in await c.nc.jetstream().streams_info():
+            assert st.config.num_replicas == 3, st.config.name
+        job = f"spread-{secrets.token_hex(3)}"
+        sbs = []
+        while len(sbs) < 9 and {sb.info.node for sb in sbs} != {"node-1", "node-2", "node-3"}:
+            sbs.append(await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job)))
+        assert {sb.info.node for sb in sbs} == {"node-1", "node-2", "node-3"}
+        for sb in sbs:
+            assert (await sb.exec("echo hi")).stdout == "hi\n"
+            await sb.destroy()
+
+
+@pytest.mark.timeout(900)  # a thousand real sandboxes on a 2-core machine, a third of them made twice
+async def test_a_killed_host_loses_nothing(hosts: Stack):
+    job = f"hostkill-{secrets.token_hex(3)}"
+    victim_node = f"node-{VICTIM + 1}"
+    async with await AsyncClient.connect(hosts.url) as c:
+        # trajectories until one runs on every node (spread placement), so some run on the host that dies
+        trajs = []
+        while len(trajs) < 9 and {t.sandbox.info.node for t in trajs} != {"node-1", "node-2", "node-3"}:
+            t = c.trajectory(f"{job}-t{len(trajs)}", image="busybox", cpu=0.1, memory_mb=32, job=f"{job}-traj", snapshot_every=3)
+            await t.open()
+            trajs.append(t)
+        assert {t.sandbox.info.node for t in trajs} == {"node-1", "node-2", "node-3"}
+        for t in trajs:
+            for i in range(7):  # snapshots after steps 2 and 5; step 6 is re-run from the log
+                await t.exec(f"echo {i} >> /steps")
+        survivors = [await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job)) for _ in range(4)]
+        workers = [sb for sb in survivors if sb.info.node != victim_node][:2]
+        assert len(workers) == 2
+        load = Load(job)
+        streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(workers)]
+        rid = f"{job}-batch"
+        spec = {"image": "busybox", "cpu": 0.01, "memory_mb": 16, "job": job, "request_id": rid}
+
+        under_way = asyncio.Event()
+        placed: list[int] = []
+
+        def progress(p) -> None:
+            placed.append(p.placed)
+            if p.placed >= BATCH // 5:
+                under_way.set()
+
+        async def batch():
+            try:
+                # its scheduler may be on the host that dies: then no answer comes, and a timeout
+                # is the clear error the caller gets (the retry below settles the request)
+                return await c.create_batch_reply(BATCH, timeout=60, progress=progress, **spec)
+            except CorralError as e:
+                return e
+
+        t_batch = time.monotonic()
+        first = asyncio.create_task(batch())
+        await asyncio.wait_for(under_way.wait(), 120)  # the batch is being made on all three nodes
+        killed = hosts.kill_host(VICTIM)
+        at_kill = placed[-1]
+        assert {"nats-server-2", "scheduler-2", "node-2", "loader-2"} <= set(killed), killed
+
+        async def placing_again() -> bool:
+            """a create succeeds again after the host died"""
+            try:
+                sb = await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job), timeout=5)
+            except CorralError:
+                return False
+            survivors.append(sb)
+            return True
+
+        recover_create = await _until(placing_again)
+        outcome = await first
+        print(f"host kill: at {at_kill} of {BATCH} placed; first batch answered {type(outcome).__name__} "
+              f"after {time.monotonic() - t_batch:.1f}s"
+              f"{'' if isinstance(outcome, BaseException) else f' with {len(outcome.sandboxes)} made, {len(outcome.failed)} failed'}"
+              f"{'' if isinstance(outcome, BaseException) else sorted({f.code for f in outcome.failed})}")
+        assert not isinstance(outcome, BaseException) or isinstance(outcome, (Timeout, Unavailable)), outcome
+        # the same request again settles it: exactly BATCH sandboxes, on the hosts still up
+        for _ in range(5):
+            try:
+                r = await c.create_batch_reply(BATCH, timeout=120, **spec)
+            except (Timeout, Unavailable) as e:
+                print(f"host kill: batch retry answered {e!r}")
+                continue
+            if len(r.sandboxes) == BATCH and not r.failed:
+                break
+            await asyncio.sleep(2)
+        ids = [s.id for s in r.sandboxes]
+        assert len(ids) == BATCH == len(set(ids)) and not r.failed, r.failed[:3]
+        listed = await c.list(job=job)
+        listed_ids = [s.id for s in listed]
+        assert len(listed_ids) == len(set(listed_ids)), "a sandbox listed twice"
+        assert set(ids) <= set(listed_ids)
+        on_dead = [(s.id, s.state, s.id in ids) for s in listed if s.node == victim_node]
+        assert on_dead == [], on_dead[:5]
+
+        # the trajectories of the dead host resume elsewhere from their snapshots; no step twice
+        t_resume = time.monotonic()
+        for t in trajs:
+            was = t.sandbox.info.node
+            await t.close()  # the trainer that ran it is preempted; a new one takes the rollout up
+            again = c.trajectory(t.id, image="busybox", cpu=0.1, memory_mb=32, job=f"{job}-traj", snapshot_every=3)
+            await again.open()
+            for i in range(7):
+                assert (await again.exec(f"echo {i} >> /steps")).replayed
+            assert (await again.exec("cat /steps")).stdout == "".join(f"{i}\n" for i in range(7))
+            if was == victim_node:
+                assert again.sandbox.info.node != victim_node and again.rerun_steps == 1
+            await again.finish(delete_log=True)
+        resume_s = time.monotonic() - t_resume
+        load.stop.set()
+        await asyncio.gather(*streams)
+        load.check()
+
+        # the host boots again: its node serves and its nats-server is a full member again
+        t0 = time.monotonic()
+        await hosts.restart_host(VICTIM)
+
+        async def node_back() -> bool:
+            """the restarted node takes a sandbox"""
+            try:
+                sb = await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job, placement="spread"), timeout=5)
+            except CorralError:
+                return False
+            survivors.append(sb)
+            return sb.info.node == victim_node
+
+        await _until(node_back)
+        rejoin_s = time.monotonic() - t0
+
+        async def member_again() -> bool:
+            """the restarted server holds a current replica of the audit stream again"""
+            info = await c.nc.jetstream().stream_info("CORRAL_AUDIT")
+            cl = info.cluster
+            return cl is not None and (cl.leader == "corral-2" or any(p.name == "corral-2" and p.current for p in cl.replicas or []))
+
+        await _until(member_again, 60)
+        print(f"host kill: creates again after {recover_create:.2f}s, {len(trajs)} trajectories resumed in {resume_s:.2f}s, "
+              f"host back in {rejoin_s:.2f}s; "
+              f"{len(load.errors)} exec errors, {len(load.answered)} execs answered")
+        await _audited_once(c, job, set(load.answered))
+        for sb in [*survivors, *(c.sandbox(i) for i in ids)]:
+            try:
+                await sb.destroy()
+            except CorralError:
+                pass  # one of the dead host's sandboxes: already lost
+
+        async def nothing_listed() -> bool:
+            """every sandbox of the test is gone from the scheduler's table"""
+            return not await c.list(job=job) and not await c.list(job=f"{job}-traj")
+
+        await _until(nothing_listed, 60)
+
+
+async def test_a_cut_link_heals_with_nothing_lost(hosts: Stack):
+    job = f"cut-{secrets.token_hex(3)}"
+    cut_node = f"node-{CUT + 1}"
+    async with await AsyncClient.connect(hosts.url) as c:
+        sbs = [await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job)) for _ in range(3)]
+        assert cut_node in {sb.info.node for sb in sbs}
+        load = Load(job)
+        streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(sbs)]
+        await asyncio.sleep(1)
+        hosts.cut_link(CUT)
+        await asyncio.sleep(8)  # longer than the scheduler waits before it declares a node lost
+        hosts.heal_link(CUT)
+        cut_sb = next(sb for sb in sbs if sb.info.node == cut_node)
+
+        async def answers() -> bool:
+            """the cut host's sandbox answers again"""
+            try:
+                return (await cut_sb.exec("echo back", timeout_s=5)).stdout == "back\n"
+            except (Timeout, Unavailable):
+                return False
+
+        heal_s = await _until(answers)
+
+        async def listed_again() -> bool:
+            """the scheduler lists the cut host's sandbox again (the node wrote its placement back
+            once told it had been declared lost)"""
+            return sorted(s.id for s in await c.list(job=job)) == sorted(sb.id for sb in sbs)
+
+        relist_s = heal_s + await _until(listed_again, 60)
+        load.stop.set()
+        await asyncio.gather(*streams)
+        load.check()
+        print(f"link cut: the cut host's sandbox answers {heal_s:.2f}s after the heal, is listed again after {relist_s:.2f}s; "
+              f"{len(load.errors)} exec errors, {len(load.answered)} answered")
+        # answered during the cut, on the hosts still linked; and the cut host's sandbox came back
+        assert any(f"-w{w}-" in cmd for cmd in load.answered for w, sb in enumerate(sbs) if sb.info.node != cut_node)
+        await _audited_once(c, job, set(load.answered))
+        for sb in sbs:
+            await sb.destroy()
