@@ -62,6 +62,15 @@ async def _audited_once(c: AsyncClient, job: str, answered: set[str]) -> None:
     assert {cmd: n for cmd, n in seen.items() if n != 1} == {}, "execs audited twice"
 
 
+async def _on_every_node(c: AsyncClient, job: str) -> list:
+    """Sandboxes until every node holds one (spread placement gets there within a few)."""
+    sbs: list = []
+    while len(sbs) < 9 and {sb.info.node for sb in sbs} != {"node-1", "node-2", "node-3"}:
+        sbs.append(await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job)))
+    assert {sb.info.node for sb in sbs} == {"node-1", "node-2", "node-3"}
+    return sbs
+
+
 class Load:
     """Exec streams on a set of sandboxes: what came back, and the errors (which must be ones a
     caller can act on: a timeout or unavailable, never a wrong answer)."""
@@ -118,10 +127,7 @@ async def test_every_host_is_a_network_of_its_own(hosts: Stack):
         for st in await c.nc.jetstream().streams_info():
             assert st.config.num_replicas == 3, st.config.name
         job = f"spread-{secrets.token_hex(3)}"
-        sbs = []
-        while len(sbs) < 9 and {sb.info.node for sb in sbs} != {"node-1", "node-2", "node-3"}:
-            sbs.append(await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job)))
-        assert {sb.info.node for sb in sbs} == {"node-1", "node-2", "node-3"}
+        sbs = await _on_every_node(c, job)
         for sb in sbs:
             assert (await sb.exec("echo hi")).stdout == "hi\n"
             await sb.destroy()
@@ -270,7 +276,7 @@ async def test_a_cut_link_heals_with_nothing_lost(hosts: Stack):
     job = f"cut-{secrets.token_hex(3)}"
     cut_node = f"node-{CUT + 1}"
     async with await AsyncClient.connect(hosts.url) as c:
-        sbs = [await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job)) for _ in range(3)]
+        sbs = await _on_every_node(c, job)
         assert cut_node in {sb.info.node for sb in sbs}
         load = Load(job)
         streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(sbs)]
@@ -302,6 +308,48 @@ async def test_a_cut_link_heals_with_nothing_lost(hosts: Stack):
               f"{len(load.errors)} exec errors, {len(load.answered)} answered")
         # answered during the cut, on the hosts still linked; and the cut host's sandbox came back
         assert any(f"-w{w}-" in cmd for cmd in load.answered for w, sb in enumerate(sbs) if sb.info.node != cut_node)
+        await _audited_once(c, job, set(load.answered))
+        for sb in sbs:
+            await sb.destroy()
+
+
+async def test_a_killed_nats_server_of_a_host_loses_nothing(hosts: Stack):
+    """Host 1's processes were given only their own server: when it dies they carry on through
+    the servers they learnt of from it, and nothing answered is lost."""
+    job = f"natskill-{secrets.token_hex(3)}"
+    async with await AsyncClient.connect(hosts.url) as c:
+        sbs = await _on_every_node(c, job)
+        load = Load(job)
+        streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(sbs)]
+        await asyncio.sleep(1)
+        hosts.kill_nats(0)
+        on_host1 = next(sb for sb in sbs if sb.info.node == "node-1")
+
+        async def node1_answers() -> bool:
+            """node-1 (its own server dead) answers an exec again"""
+            try:
+                return (await on_host1.exec("echo again", timeout_s=5)).stdout == "again\n"
+            except (Timeout, Unavailable):
+                return False
+
+        async def creates() -> bool:
+            """a create is placed again"""
+            try:
+                sbs.append(await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job), timeout=5))
+                return True
+            except (Timeout, Unavailable):
+                return False
+
+        answer_s = await _until(node1_answers, 60)
+        create_s = await _until(creates, 60)
+        await asyncio.sleep(2)
+        t0 = time.monotonic()
+        await hosts.restart_nats(0)
+        load.stop.set()
+        await asyncio.gather(*streams)
+        load.check()
+        print(f"nats kill: node-1 answers after {answer_s:.2f}s, creates after {create_s:.2f}s more, restarted in "
+              f"{time.monotonic() - t0:.2f}s; {len(load.errors)} exec errors, {len(load.answered)} answered")
         await _audited_once(c, job, set(load.answered))
         for sb in sbs:
             await sb.destroy()

@@ -61,8 +61,11 @@ class Heartbeats:
         return 0.0 if self.serving_since is None else time.monotonic() - self.serving_since
 
     async def listen(self) -> None:
-        """Hear the scheduler declare this node lost (before sandboxes are adopted)."""
-        await self.nc.subscribe(subjects.node_event(self.node, "lost"), cb=self._on_declared_lost)
+        """Hear the scheduler declare this node lost (before sandboxes are adopted), and say it
+        heard the node again after declaring it lost (`back`: a node cut off by a partition never
+        heard the `lost` event, and its own connection never broke)."""
+        for kind in ("lost", "back"):
+            await self.nc.subscribe(subjects.node_event(self.node, kind), cb=self._on_declared_lost)
 
     def start(self) -> None:
         self._spawn(self._loop())

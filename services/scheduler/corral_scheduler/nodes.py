@@ -131,11 +131,11 @@ class Nodes:
         """A node declared lost heartbeats again. It may never have heard that it was declared
         lost: a partition (its link cut) leaves its own connection to its nats-server up, so
         neither a reconnect nor a gap in its heartbeats tells it, and the event went out while
-        nothing reached it. Say it again now that it is heard: it writes its live sandboxes'
+        nothing reached it. Tell it now that it is heard (`back`): it writes its live sandboxes'
         placements back (a node that already did finds nothing missing)."""
         logs.kv(log, logging.WARNING, "node heard again after it was declared lost", node=node)
-        await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode(
-            Event(kind="lost", ts=time.time(), node=node, reason="declared lost while unreachable; heard again")))
+        await self.nc.publish(subjects.node_event(node, "back"), encoder.encode(
+            Event(kind="back", ts=time.time(), node=node, reason="heartbeating again after it was declared lost")))
 
     async def _declare_lost(self, node: str, now: float) -> None:
         victims = self.placements.on_node(node)
