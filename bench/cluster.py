@@ -154,7 +154,8 @@ async def _host_faults(stack: Stack, c: AsyncClient) -> dict[str, float]:
     stack.heal_link(2)
 
     async def answers() -> bool:
-        return (await cut.exec("echo back", timeout_s=2)).stdout == "back\n"
+        # not waited out: a request caught in the cut gets no answer until its own timeout
+        return (await asyncio.wait_for(cut.exec("echo back", timeout_s=2), 2)).stdout == "back\n"
 
     out["link_heal_answers_s"] = await _until(answers)
     for sb in sbs:
