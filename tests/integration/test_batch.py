@@ -253,6 +253,21 @@ async def _ready(p: subprocess.Popen) -> None:
     asyncio.get_running_loop().run_in_executor(None, lambda: [None for _ in p.stderr])
 
 
+async def _teardown(stack, nc, nodes: list[SimNode], replica: subprocess.Popen | None) -> None:
+    """What a test with its own stack and a scheduler replica leaves: nothing."""
+    for n in nodes:
+        await n.stop()
+    await nc.close()
+    if replica is not None:
+        replica.terminate()
+        try:
+            replica.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            replica.kill()
+    await stack.stop()
+    shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
 async def test_replica_killed_mid_batch_loses_nothing_and_doubles_nothing():
     """Two scheduler processes; the one serving a large batch is SIGKILLed while nodes hold part
     of it; the client retries with the same request_id and gets exactly the requested count, each
@@ -315,17 +330,7 @@ async def test_replica_killed_mid_batch_loses_nothing_and_doubles_nothing():
         again = json.loads((await nc.request(subjects.SANDBOX_CREATE_BATCH, body, timeout=60)).data)
         assert sorted(s["id"] for s in again["sandboxes"]) == ids and len(held_by(nodes, rid)) == count
     finally:
-        for n in nodes:
-            await n.stop()
-        await nc.close()
-        if replica is not None:
-            replica.terminate()
-            try:
-                replica.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                replica.kill()
-        await stack.stop()
-        shutil.rmtree(stack.data_dir, ignore_errors=True)
+        await _teardown(stack, nc, nodes, replica)
 
 
 async def test_a_new_replica_places_on_nodes_whose_bucket_entries_have_aged():
@@ -358,17 +363,7 @@ async def test_a_new_replica_places_on_nodes_whose_bucket_entries_have_aged():
         assert r["ok"] is True and r["failed"] == [], r
         assert len(held_by(nodes, job)) == 6
     finally:
-        for n in nodes:
-            await n.stop()
-        await nc.close()
-        if replica is not None:
-            replica.terminate()
-            try:
-                replica.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                replica.kill()
-        await stack.stop()
-        shutil.rmtree(stack.data_dir, ignore_errors=True)
+        await _teardown(stack, nc, nodes, replica)
 
 
 async def test_node_batch_request_answers_per_item(nc):
