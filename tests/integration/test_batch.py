@@ -359,7 +359,15 @@ async def test_a_new_replica_places_on_nodes_whose_bucket_entries_have_aged():
         replica = _replica(stack.url)
         await _ready(replica)
         job = f"aged-{secrets.token_hex(3)}"
-        r = await call(nc, subjects.SANDBOX_CREATE_BATCH, {"spec": {"cpu": 0.5, "memory_mb": 64, "job": job}, "count": 6})
+        body = {"spec": {"cpu": 0.5, "memory_mb": 64, "job": job}, "count": 6}
+        for _ in range(40):  # its ready line is logged before its subscriptions have reached the server
+            try:
+                r = await call(nc, subjects.SANDBOX_CREATE_BATCH, body)
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)  # a heartbeat (every 2 s) is unlikely to come in between
+        else:
+            pytest.fail("the replica never served create_batch")
         assert r["ok"] is True and r["failed"] == [], r
         assert len(held_by(nodes, job)) == 6
     finally:
