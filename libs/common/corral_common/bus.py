@@ -20,7 +20,7 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
-from . import auth, config, metrics
+from . import auth, config, logs, metrics
 from .contract import envelope, subjects
 from .contract.errors import Code, CorralError
 from .discovery import Discovery
@@ -48,6 +48,14 @@ async def connect(url: str, name: str, creds: str | None = None, **kw: Any) -> N
         pending_size=64 * 1024 * 1024,
         **kw,
     )
+
+
+async def ready(nc: NATS, logger: logging.Logger, line: str, **fields: Any) -> None:
+    """Log a service's ready line once the server has its subscriptions: a subscribe only queues
+    SUB for the connection's writer, and whoever acts on the line (a test, `corral up`, an
+    operator's probe) must not find "no responders" for a subject the service says it serves."""
+    await nc.flush()
+    logs.kv(logger, logging.INFO, line, **fields)
 
 
 async def while_jetstream_recovers(op: Callable[[], Awaitable[T]], what: str, wait_s: float = 60.0) -> T:

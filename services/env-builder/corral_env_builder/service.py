@@ -88,7 +88,7 @@ class EnvBuilder:
         await self.responder.serve(subjects.ENV_GRADE, self._on_grade, "grade", queue=q)
         await self.responder.serve(subjects.ENV_DELETE, tenancy.for_operator(self._on_delete, "deleting environments"), "delete", queue=q)
         metrics.UP.labels("env-builder").set(1)
-        logs.kv(log, logging.INFO, "env-builder ready", metrics=self.metrics_url, parallel_builds=self.cfg.parallel_builds)
+        await bus.ready(self.nc, log, "env-builder ready", metrics=self.metrics_url, parallel_builds=self.cfg.parallel_builds)
         await stop.wait()
         await self.responder.drain(timeout=60)
         await self.nc.drain()

@@ -105,7 +105,7 @@ class Monitor:
         self.ready.set()
         gc.freeze()  # what start-up allocated (modules, rules, ClickHouse client) is never collected
         metrics.UP.labels("monitor").set(1)
-        logs.kv(log, logging.INFO, "monitor ready", metrics=self.metrics_url, clickhouse=_safe_dsn(cfg.clickhouse),
+        await bus.ready(self.nc, log, "monitor ready", metrics=self.metrics_url, clickhouse=_safe_dsn(cfg.clickhouse),
                 workers=cfg.workers, rules=[r.name for r in detector.rules] + [r.name for r in detector.sql_rules],
                 throttle_restored=restored)
         consume_stop = asyncio.Event()

@@ -149,7 +149,7 @@ class NodeAgent:
         metrics.UP.labels("node-agent").set(1)
         self.heartbeats.start()
         self.lifecycle.spawn(self.lifecycle.reap())
-        logs.kv(log, logging.INFO, "node-agent ready", node=self.node, metrics=metrics_url,
+        await bus.ready(self.nc, log, "node-agent ready", node=self.node, metrics=metrics_url,
                 substrates=list(self.table.substrates), capacity=msgspec.to_builtins(self.table.capacity))
         await stop.wait()
         await self.shutdown()

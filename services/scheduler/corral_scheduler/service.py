@@ -94,7 +94,7 @@ class Scheduler:
         # name has (files.read, port.open) or an unknown one
         await nc.subscribe(subjects.sandbox_all("*"), queue=q + "-orphans", cb=listing.on_orphan)
         metrics.UP.labels("scheduler").set(1)
-        logs.kv(log, logging.INFO, "scheduler ready", metrics=self.metrics_url)
+        await bus.ready(self.nc, log, "scheduler ready", metrics=self.metrics_url)
         await stop.wait()
         await responder.drain()
         for t in list(self.tasks):

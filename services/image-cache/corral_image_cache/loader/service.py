@@ -85,7 +85,7 @@ class Loader:
         if self.cfg.background_fill_after_s > 0:
             self._spawn(cache.fill_loop())
         metrics.UP.labels("loader").set(1)
-        logs.kv(log, logging.INFO, "loader ready", node=self.node, mount=self.mount, cache=cache.root,
+        await bus.ready(self.nc, log, "loader ready", node=self.node, mount=self.mount, cache=cache.root,
                 cached_layers=len(cache.layers), cache_bytes=cache.cache_bytes(), metrics=self.metrics_url)
         stop_wait = asyncio.create_task(stop.wait())
         fuse_wait = asyncio.create_task(self.fuse.done.wait())
