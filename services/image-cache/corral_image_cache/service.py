@@ -77,7 +77,7 @@ class ImageCache:
         await self.responder.serve(subjects.IMAGE_DELETE, tenancy.for_operator(self._on_delete, "deleting images"), "delete", queue=q)
         metrics.UP.labels("image-cache").set(1)
         IMAGES.set(len(await self.catalog.image_names()))
-        logs.kv(log, logging.INFO, "image-cache ready", metrics=self.metrics_url, images=await self.catalog.image_names())
+        await bus.ready(self.nc, log, "image-cache ready", metrics=self.metrics_url, images=await self.catalog.image_names())
         gc = asyncio.create_task(self._gc_loop(stop))
         await stop.wait()
         gc.cancel()
@@ -250,7 +250,8 @@ class ImageCache:
         used_layers: set[str] = set()
         for n in await self.catalog.image_names():
             used_layers.update((await self.catalog.image(n)).layers)
-        all_layers = await _keys(self.catalog.layers)
+        # every layer, or no collection: a layer left out of the list would lose its chunks
+        all_layers = await bus.kv_keys(self.catalog.layers)
         keep_chunks: set[str] = set()
         drop: list[LayerManifest] = []
         for d in all_layers:
@@ -289,13 +290,6 @@ def _snapshot_layer(req: ImportRequest) -> LayerManifest:
     if not m.source.startswith("snapshot:"):
         raise InvalidRequest(f"snapshot layer source must be 'snapshot:<sandbox>', not {m.source!r}")
     return m
-
-
-async def _keys(kv) -> list[str]:
-    try:
-        return list(await kv.keys())
-    except Exception:
-        return []
 
 
 def _materialise(path: str):

@@ -81,10 +81,7 @@ class TrajectoryLog:
             return await self.get(meta.id)
 
     async def ids(self) -> list[str]:
-        try:
-            return sorted(await self.kv.keys())
-        except Exception:
-            return []
+        return sorted(await bus.kv_keys(self.kv))
 
     async def delete(self, tid: str) -> None:
         await self.get(tid)

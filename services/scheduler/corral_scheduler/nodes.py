@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from corral_common import logs
+from corral_common import bus, logs
 from corral_common.contract import subjects
 from corral_common.contract.messages import Event, Heartbeat, encoder
 
@@ -36,14 +36,16 @@ class Nodes:
 
     async def load(self) -> set[str]:
         """The nodes other replicas heard recently: a restarted replica places at once instead of
-        waiting a heartbeat interval for every node. Returns every node whose entry is young enough
-        that it is probably alive: an entry is rewritten only every KV_REFRESH_S, so a live node's
-        can be older than stale_after_s, and those are not placed on until they are heard."""
+        waiting a heartbeat interval for every node. Returns every node that was probably alive
+        when the bucket was last written: an entry is rewritten only every KV_REFRESH_S, so a live
+        node's is up to stale_after_s + KV_REFRESH_S older than the newest entry, and when no
+        replica ran for a while every entry has aged alike. Only those younger than
+        stale_after_s are placed on before they are heard."""
         try:
-            keys = await self.kv.keys()
+            keys = await bus.kv_keys(self.kv)
         except Exception:
             return set()
-        recent: set[str] = set()
+        beats: list[Heartbeat] = []
         for k in keys:
             try:
                 e = await self.kv.get(k)
@@ -52,11 +54,17 @@ class Nodes:
                 hb = msgspec.json.decode(e.value, type=Heartbeat)
             except Exception:  # a node's entry deleted meanwhile, or unreadable: its next heartbeat counts
                 continue
-            age = time.time() - hb.ts
-            if hb.stopping or age >= self.stale_after_s + KV_REFRESH_S:
-                continue
+            if not hb.stopping:
+                beats.append(hb)
+        if not beats:
+            return set()
+        newest = max(hb.ts for hb in beats)
+        recent: set[str] = set()
+        for hb in beats:
+            if newest - hb.ts >= self.stale_after_s + KV_REFRESH_S:
+                continue  # it had stopped heartbeating while a replica was still writing
             recent.add(hb.node)
-            if age < self.stale_after_s and hb.node not in self.registry.nodes:  # not over a live one
+            if time.time() - hb.ts < self.stale_after_s and hb.node not in self.registry.nodes:  # not over a live one
                 self.registry.heartbeat(hb)
         return recent
 
