@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # cgroup parent, so two files' stacks share the machine as two users' stacks would
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test setup system venv sdists bench clean
+.PHONY: compose-check demo test setup system venv sdists bench clean
 
 setup: system venv sdists
 
@@ -41,6 +41,9 @@ test: setup
 
 bench: setup
 	$(PY) -m bench.run_all
+
+compose-check: setup
+	$(PY) deploy/compose_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

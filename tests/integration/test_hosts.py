@@ -17,12 +17,14 @@ import os
 import secrets
 import socket
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from corral_common.contract import subjects
 from corral_common.contract.audit import QueryReply, QueryRequest
-from corral_common.contract.errors import CorralError, Timeout, Unavailable
+from corral_common.contract.errors import CorralError, NotFound, Timeout, Unavailable
 from corral_common.contract.messages import SandboxSpec
 from corral_sdk import AsyncClient, AsyncSandbox
 from corral_sdk.stack import Stack
@@ -34,6 +36,10 @@ pytestmark = pytest.mark.slow
 BATCH = 1000
 VICTIM = 1  # host 2: nats-server-2, scheduler-2, loader-2, node-2
 CUT = 2  # host 3: nats-server-3, the monitor, loader-3, node-3
+NODES = ("node-1", "node-2", "node-3")
+# when each node's current agent started (time.time(); absent: with the stack): its /metrics
+# count the audit events it published from then on
+_BORN: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,8 @@ async def hosts():
 async def nothing_left_between(hosts: Stack):
     """Each test starts on empty nodes (placement is by free room), also after one that failed."""
     yield
+    while Load.running:
+        await Load.running.pop().abandon()
     async with await AsyncClient.connect(hosts.url) as c:
         for info in await c.list():
             with contextlib.suppress(CorralError):
@@ -73,6 +81,46 @@ async def _audited_once(c: AsyncClient, job: str, answered: set[str]) -> None:
     assert {cmd: n for cmd, n in seen.items() if n != 1} == {}, "execs audited twice"
 
 
+def _published(hosts: Stack, node: str) -> tuple[int, int]:
+    """(audit events the node's agent published, JetStream acknowledging them; events it dropped
+    after publishes failed, which may have landed all the same), from the agent's /metrics."""
+    with urllib.request.urlopen(hosts.proc(node).metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    counts = {"corral_audit_events_total": 0.0, "corral_audit_events_dropped_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in counts and sample.labels.get("node") == node:
+                counts[sample.name] += sample.value
+    return int(counts["corral_audit_events_total"]), int(counts["corral_audit_events_dropped_total"])
+
+
+async def _stored(c: AsyncClient, node: str, since: float, until: float | None = None) -> tuple[int, int]:
+    """(rows, distinct event ids) in ClickHouse of `node`'s audit events stamped in [since, until]."""
+    sql = (f"SELECT count(), uniqExact(id) FROM audit_events WHERE node = '{node}' "
+           f"AND toUnixTimestamp64Milli(ts) >= {int(since * 1000)}")
+    if until is not None:
+        sql += f" AND toUnixTimestamp64Milli(ts) <= {int(until * 1000) + 1}"
+    rows = await _rows(c, sql)
+    return int(str(rows[0][0])), int(str(rows[0][1]))
+
+
+async def _stored_as_published(c: AsyncClient, hosts: Stack) -> None:
+    """Counted against what the node-agents published: per node, ClickHouse holds each event its
+    current agent had acknowledged by JetStream exactly once (no id twice, none missing; more only
+    by what it dropped after a failed publish that may have landed)."""
+    for node in NODES:
+        deadline = time.monotonic() + 120
+        while True:
+            published, dropped = _published(hosts, node)
+            rows, ids = await _stored(c, node, _BORN.get(node, 0.0))
+            if published <= ids <= published + dropped or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        assert rows == ids, f"{node}: {rows - ids} audit events stored twice"
+        assert published <= ids <= published + dropped, f"{node}: published {published} (dropped {dropped}), stored {ids}"
+        print(f"audit: {node} published {published}, stored {ids} once each")
+
+
 async def _on_every_node(c: AsyncClient, job: str) -> list:
     """One sandbox on each node: spread placement fills the emptiest node first, so creates get
     to every node within a few; the extra ones are destroyed."""
@@ -97,19 +145,28 @@ async def _answers(sb: AsyncSandbox, word: str) -> bool:
     word = f"{word}-{secrets.token_hex(3)}"
     try:
         return (await asyncio.wait_for(sb.exec(f"echo {word}", timeout_s=5), 2)).stdout == f"{word}\n"
-    except (Timeout, Unavailable, asyncio.TimeoutError):
+    except (Timeout, Unavailable, NotFound, asyncio.TimeoutError):
+        # not_found: its node is declared lost and the replica asked has not heard it again yet
         return False
 
 
 class Load:
     """Exec streams on a set of sandboxes: what came back, and the errors (which must be ones a
-    caller can act on: a timeout or unavailable, never a wrong answer)."""
+    caller can act on: a timeout, unavailable, or not_found while its node is declared lost;
+    never a wrong answer)."""
+
+    running: list[Load] = []  # stopped after each test whatever happened (nothing_left_between)
 
     def __init__(self, job: str):
         self.job = job
         self.answered: dict[str, str] = {}
         self.errors: list[CorralError] = []
         self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self, sbs: list[AsyncSandbox]) -> None:
+        self.tasks = [asyncio.create_task(self.stream(sb, w)) for w, sb in enumerate(sbs)]
+        Load.running.append(self)
 
     async def stream(self, sb, w: int) -> None:
         i = 0
@@ -118,13 +175,25 @@ class Load:
             i += 1
             try:
                 self.answered[cmd] = (await sb.exec(cmd, timeout_s=10)).stdout
-            except (Timeout, Unavailable) as e:
+            except (Timeout, Unavailable, NotFound) as e:
                 self.errors.append(e)
             await asyncio.sleep(0.05)
 
-    def check(self) -> None:
+    async def finish(self) -> None:
+        """Stop the streams, let them end, check what came back."""
+        self.stop.set()
+        await asyncio.gather(*self.tasks)
         assert self.answered, self.errors
         assert {cmd: out for cmd, out in self.answered.items() if out != cmd.removeprefix("echo ") + "\n"} == {}
+
+    async def abandon(self) -> None:
+        """After a test that failed: its streams must not outlive it (an exception never
+        retrieved from one surfaces in a later test of this worker, on CPython 3.11.7 once as an
+        AST SystemError in a parse that the garbage collector interrupted to log it)."""
+        self.stop.set()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def _until(what, timeout: float = 120.0, every: float = 0.2) -> float:
@@ -181,7 +250,7 @@ async def test_a_killed_host_loses_nothing(hosts: Stack):
         survivors = [sb for sb in await _on_every_node(c, job) if sb.info.node != victim_node]
         workers = list(survivors)
         load = Load(job)
-        streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(workers)]
+        load.start(workers)
         rid = f"{job}-batch"
         spec = {"image": "busybox", "cpu": 0.01, "memory_mb": 16, "job": job, "request_id": rid}
 
@@ -204,7 +273,9 @@ async def test_a_killed_host_loses_nothing(hosts: Stack):
         t_batch = time.monotonic()
         first = asyncio.create_task(batch())
         await asyncio.wait_for(under_way.wait(), 120)  # the batch is being made on all three nodes
+        born_before, (published_before, _) = _BORN.get(victim_node, 0.0), _published(hosts, victim_node)
         killed = hosts.kill_host(VICTIM)
+        t_kill = time.time()
         at_kill = placed[-1]
         assert {"nats-server-2", "scheduler-2", "node-2", "loader-2"} <= set(killed), killed
 
@@ -265,11 +336,11 @@ async def test_a_killed_host_loses_nothing(hosts: Stack):
             await again.finish(delete_log=True)
         resume_s = time.monotonic() - t_resume
         load.stop.set()
-        await asyncio.gather(*streams)
-        load.check()
+        await load.finish()
 
         # the host boots again: its node serves and its nats-server is a full member again
         t0 = time.monotonic()
+        _BORN[victim_node] = time.time()
         await hosts.restart_host(VICTIM)
 
         async def node_back() -> bool:
@@ -291,6 +362,16 @@ async def test_a_killed_host_loses_nothing(hosts: Stack):
               f"host back in {rejoin_s:.2f}s; "
               f"{len(load.errors)} exec errors, {len(load.answered)} execs answered")
         await _audited_once(c, job, set(load.answered))
+
+        async def dead_agent_stored() -> bool:
+            """what the dead host's agent had published before it died is in ClickHouse"""
+            return (await _stored(c, victim_node, born_before, t_kill))[1] >= published_before
+
+        await _until(dead_agent_stored)
+        rows, distinct = await _stored(c, victim_node, born_before, t_kill)
+        assert rows == distinct, f"{victim_node} before the kill: {rows - distinct} audit events stored twice"
+        print(f"audit: {victim_node} had published {published_before} when its host died, {distinct} stored once each")
+        await _stored_as_published(c, hosts)
         for rid in probes:  # a probe the client gave up on may have been made: asked again, it answers that one
             with contextlib.suppress(CorralError):
                 survivors.append(await c.create_spec(SandboxSpec(image="busybox", cpu=0.1, memory_mb=32, job=job, request_id=rid)))
@@ -313,7 +394,7 @@ async def test_a_cut_link_heals_with_nothing_lost(hosts: Stack):
         sbs = await _on_every_node(c, job)
         assert cut_node in {sb.info.node for sb in sbs}
         load = Load(job)
-        streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(sbs)]
+        load.start(sbs)
         await asyncio.sleep(1)
         hosts.cut_link(CUT)
         await asyncio.sleep(8)  # longer than the scheduler waits before it declares a node lost
@@ -333,13 +414,13 @@ async def test_a_cut_link_heals_with_nothing_lost(hosts: Stack):
 
         relist_s = heal_s + await _until(listed_again, 60)
         load.stop.set()
-        await asyncio.gather(*streams)
-        load.check()
+        await load.finish()
         print(f"link cut: the cut host's sandbox answers {heal_s:.2f}s after the heal, is listed again after {relist_s:.2f}s; "
               f"{len(load.errors)} exec errors, {len(load.answered)} answered")
         # answered during the cut, on the hosts still linked; and the cut host's sandbox came back
         assert any(f"-w{w}-" in cmd for cmd in load.answered for w, sb in enumerate(sbs) if sb.info.node != cut_node)
         await _audited_once(c, job, set(load.answered))
+        await _stored_as_published(c, hosts)
         for sb in sbs:
             await sb.destroy()
 
@@ -351,7 +432,7 @@ async def test_a_killed_nats_server_of_a_host_loses_nothing(hosts: Stack):
     async with await AsyncClient.connect(hosts.url) as c:
         sbs = await _on_every_node(c, job)
         load = Load(job)
-        streams = [asyncio.create_task(load.stream(sb, w)) for w, sb in enumerate(sbs)]
+        load.start(sbs)
         await asyncio.sleep(1)
         hosts.kill_nats(0)
         on_host1 = next(sb for sb in sbs if sb.info.node == "node-1")
@@ -374,10 +455,10 @@ async def test_a_killed_nats_server_of_a_host_loses_nothing(hosts: Stack):
         t0 = time.monotonic()
         await hosts.restart_nats(0)
         load.stop.set()
-        await asyncio.gather(*streams)
-        load.check()
+        await load.finish()
         print(f"nats kill: node-1 answers after {answer_s:.2f}s, creates after {create_s:.2f}s more, restarted in "
               f"{time.monotonic() - t0:.2f}s; {len(load.errors)} exec errors, {len(load.answered)} answered")
         await _audited_once(c, job, set(load.answered))
+        await _stored_as_published(c, hosts)
         for sb in sbs:
             await sb.destroy()

@@ -163,7 +163,7 @@ class Creates:
         alive = self.registry.alive()
         tried: list[str] = []
         last: CorralError | None = None
-        timed_out = False
+        timed_out = full = False
         for st, res in placement.attempts(alive, spec, self.policy):
             tried.append(st.hb.node)
             try:
@@ -174,6 +174,7 @@ class Creates:
                     return Placed(held)
                 if e.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.TIMEOUT):
                     timed_out = timed_out or e.code == Code.TIMEOUT
+                    full = full or e.code == Code.CAPACITY
                     last = e
                     continue
                 REJECTIONS.labels(e.code.value).inc()
@@ -190,6 +191,13 @@ class Creates:
             return Placed(held)  # a node that did not answer in time made it meanwhile
         if timed_out:
             self._unanswered.add(sid)
+        if tried and not full:
+            # every node asked has room and failed for another reason (its bus or JetStream
+            # recovering, an answer too slow): not `capacity`, which would send the caller to
+            # wait for room, but a retry soon
+            REJECTIONS.labels(Code.UNAVAILABLE.value).inc()
+            raise Unavailable(f"no node could make the sandbox now; tried {', '.join(tried)}: {last.message if last else ''}",
+                              retry_after_s=1.0)
         raise placement.no_room("a sandbox", spec, alive, self.policy, tried, last, retry_after_s=1.0)
 
     async def _held_elsewhere(self, sid: str, refused_by: str) -> SandboxInfo | None:
