@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ LOCAL_IMAGES = {"nats:": NATS_IMAGE, "prom/prometheus:": PROMETHEUS_IMAGE}
 CHDB_DSN = "chdb:///var/lib/corral/monitor.chdb"
 CORRAL_JOBS = ("corral-scheduler", "corral-node-agent", "corral-image-loader", "corral-monitor", "corral-image-cache",
                "corral-env-builder")
+# the capabilities Docker 20.10 (Debian's) knows, by bit: `privileged` asks runc for all of them
+CAPS = ("CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
+        "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW", "IPC_LOCK", "IPC_OWNER", "SYS_MODULE",
+        "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME",
+        "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
+        "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ")
 NODE = "check-node-1"
 STARTED = time.monotonic()
 
@@ -84,9 +91,43 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
     return p
 
 
-def adapt(compose: dict[str, Any], node_state: str) -> tuple[dict[str, Any], list[str]]:
+def bounding_set() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("CapBnd:"))
+
+
+def runc_shim(work: Path, bounding: int) -> Path | None:
+    """A runc for dockerd that removes from each container's config the capabilities outside
+    this machine's bounding set, or None when it has them all. Docker's `privileged` asks for
+    every capability it knows, and runc fails on one it cannot have ("unable to apply caps");
+    without the shim the compose file's privileged services could not start here at all."""
+    lacking = [f"CAP_{cap}" for bit, cap in enumerate(CAPS) if not bounding >> bit & 1]
+    if not lacking:
+        return None
+    shim = work / "runc-shim"
+    shim.write_text(f"""#!/usr/bin/python3
+import json, os, sys
+DROP = {lacking!r}
+args = sys.argv[1:]
+bundle = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--bundle", "-b")), None)
+if bundle and os.path.exists(os.path.join(bundle, "config.json")):
+    path = os.path.join(bundle, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    caps = config.get("process", {{}}).get("capabilities") or {{}}
+    for kind in caps:
+        caps[kind] = [c for c in caps[kind] if c not in DROP]
+    with open(path, "w") as f:
+        json.dump(config, f)
+os.execv({shutil.which("runc")!r}, ["runc", *args])
+""")
+    shim.chmod(0o755)
+    return shim
+
+
+def adapt(compose: dict[str, Any], node_state: str, bounding: int) -> tuple[dict[str, Any], list[str]]:
     """The compose file in the dialect of docker-compose 1.29, with the images this machine can
-    have; returns it and what was changed, one line each."""
+    have; returns it and what was changed (or runs otherwise, see runc_shim), one line each."""
     c = json.loads(json.dumps(compose))  # a deep copy with the YAML anchors already merged
     changed: list[str] = []
     if c.pop("name", None) is not None:
@@ -113,6 +154,9 @@ def adapt(compose: dict[str, Any], node_state: str) -> tuple[dict[str, Any], lis
             svc["depends_on"] = [d for d in deps if d not in LEFT_OUT]
         if "deploy" in svc:
             svc.pop("deploy")
+        if svc.get("privileged") and (lacking := [cap for bit, cap in enumerate(CAPS) if not bounding >> bit & 1]):
+            changed.append(f"{name}: privileged, through a runc shim that leaves out {', '.join(lacking)} (not in this "
+                           "machine's bounding set: runc cannot apply them, and Docker's privileged asks for all)")
     monitor = c["services"]["monitor"]
     monitor["environment"]["CORRAL_CLICKHOUSE"] = CHDB_DSN
     monitor.setdefault("volumes", []).append("monitor-data:/var/lib/corral")
@@ -180,11 +224,14 @@ def build_images(work: Path) -> None:
         if f and src.is_file() and not f.startswith("deploy/k8s/"):
             (ctx / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, ctx / f)
-    run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(ctx / ".wheels"), f"{ctx}[services]"])
+    # and what building corral itself needs (pip builds it from the source the Dockerfile copies)
+    build_requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(ctx / ".wheels"), f"{ctx}[services]", *build_requires])
     step("corral:0.1.0: docker build (deploy/Dockerfile)")
     build(ctx, "corral:0.1.0", ctx / "deploy" / "Dockerfile", BASE=BASE_IMAGE, WHEELS=".wheels")
     shutil.rmtree(ctx)
-    for tag, binary, dest in ((NATS_IMAGE, shutil.which("nats-server"), "/usr/local/bin/nats-server"),
+    nats_server = shutil.which("nats-server", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    for tag, binary, dest in ((NATS_IMAGE, nats_server, "/usr/local/bin/nats-server"),
                               (PROMETHEUS_IMAGE, "/usr/bin/prometheus", "/bin/prometheus")):
         if not binary or not Path(binary).exists():
             raise RuntimeError(f"{tag}: no binary to put in it ({binary})")
@@ -292,12 +339,18 @@ def main() -> int:
     dc = ["docker-compose", "-p", PROJECT, "--project-directory", str(DEPLOY), "-f", str(compose_file)]
     try:
         ensure_host_packages()
-        if not docker_ok():
-            step("starting dockerd")
-            dockerd, why = start_dockerd(str(work / "dockerd.log"))
+        shim = runc_shim(work, bounding_set())
+        if docker_ok():
+            if shim is not None:
+                raise RuntimeError("dockerd is running already, without the runc shim this machine needs for privileged "
+                                   "containers (its capability bounding set is not complete): stop it and run again")
+        else:
+            step("starting dockerd" + (" (runc through a shim: see `adapted`)" if shim else ""))
+            extra = ("--add-runtime", f"corral-check={shim}", "--default-runtime", "corral-check") if shim else ()
+            dockerd, why = start_dockerd(str(work / "dockerd.log"), extra_args=extra)
             if dockerd is None:
                 raise RuntimeError(why)
-        compose, changed = adapt(yaml.safe_load((DEPLOY / "docker-compose.yml").read_text()), str(node_state))
+        compose, changed = adapt(yaml.safe_load((DEPLOY / "docker-compose.yml").read_text()), str(node_state), bounding_set())
         compose_file.write_text(yaml.safe_dump(compose, sort_keys=False))
         report["adapted"] = changed
         if args.down:

@@ -18,9 +18,9 @@ def docker_ok() -> bool:
         return False
 
 
-def start_dockerd(log_path: str, timeout: float = 90.0) -> tuple[subprocess.Popen | None, str]:
-    """Start dockerd and wait for `docker info`: (the process, "") or (None, why). Tries twice (a
-    stale pid file of a dead dockerd is the usual reason for a first failure)."""
+def start_dockerd(log_path: str, timeout: float = 90.0, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen | None, str]:
+    """Start dockerd (with `extra_args`) and wait for `docker info`: (the process, "") or (None,
+    why). Tries twice (a stale pid file of a dead dockerd is the usual reason for a first failure)."""
     if not shutil.which("dockerd"):
         return None, "dockerd is not installed (apt-get install docker.io)"
     why = ""
@@ -30,7 +30,7 @@ def start_dockerd(log_path: str, timeout: float = 90.0) -> tuple[subprocess.Pope
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
         log = open(log_path, "ab")
-        p = subprocess.Popen(["dockerd", "--host", DOCKER_SOCK], stdout=log, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(["dockerd", "--host", DOCKER_SOCK, *extra_args], stdout=log, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout

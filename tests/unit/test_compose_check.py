@@ -4,6 +4,9 @@ check proves holds for the file users run."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -18,10 +21,14 @@ def _check():
     return mod
 
 
-def _adapted():
+FULL = (1 << 41) - 1
+NO_SYS_RESOURCE = FULL & ~(1 << 24)  # this machine's bounding set
+
+
+def _adapted(bounding: int = FULL):
     cc = _check()
     original = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
-    adapted, changed = cc.adapt(original, "/var/lib/corral-compose/x")
+    adapted, changed = cc.adapt(original, "/var/lib/corral-compose/x", bounding)
     return cc, original, adapted, changed
 
 
@@ -61,3 +68,23 @@ def test_only_what_compose_1_29_cannot_read_is_removed_and_each_change_is_report
     for svc in cc.LEFT_OUT:
         assert f"service {svc} left out" in report
     assert "cgroup: host" in report and "CORRAL_CLICKHOUSE" in report and "--scale scheduler=2" in report
+
+
+def test_privileged_runs_through_a_shim_only_where_the_bounding_set_lacks_a_capability(tmp_path):
+    cc, original, adapted, changed = _adapted(NO_SYS_RESOURCE)
+    privileged = [n for n, svc in original["services"].items() if svc.get("privileged") and n not in cc.LEFT_OUT]
+    assert {"image-cache", "image-loader", "node-agent"} <= set(privileged)
+    for name in privileged:
+        assert adapted["services"][name]["privileged"] is True
+        assert any(line.startswith(f"{name}: privileged, through a runc shim that leaves out SYS_RESOURCE (") for line in changed)
+    assert cc.runc_shim(tmp_path, FULL) is None
+    shim = cc.runc_shim(tmp_path, NO_SYS_RESOURCE)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    caps = ["CAP_SYS_ADMIN", "CAP_SYS_RESOURCE", "CAP_MKNOD"]
+    (bundle / "config.json").write_text(json.dumps({"process": {"capabilities": {"bounding": caps, "effective": caps}}}))
+    shim_text = shim.read_text().replace(repr(shutil.which("runc")), repr("/bin/true"))  # runc itself is not run here
+    shim.write_text(shim_text)
+    subprocess.run([str(shim), "create", "--bundle", str(bundle), "id"], check=True)
+    got = json.loads((bundle / "config.json").read_text())["process"]["capabilities"]
+    assert got == {"bounding": ["CAP_SYS_ADMIN", "CAP_MKNOD"], "effective": ["CAP_SYS_ADMIN", "CAP_MKNOD"]}
