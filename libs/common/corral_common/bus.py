@@ -3,6 +3,7 @@ request/reply subjects so that every request gets exactly one reply, whatever go
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,11 +51,29 @@ async def connect(url: str, name: str, creds: str | None = None, **kw: Any) -> N
     )
 
 
-async def ready(nc: NATS, logger: logging.Logger, line: str, **fields: Any) -> None:
+async def ready(nc: NATS, logger: logging.Logger, line: str, wait_s: float = 30.0, **fields: Any) -> None:
     """Log a service's ready line once the server has its subscriptions: a subscribe only queues
     SUB for the connection's writer, and whoever acts on the line (a test, `corral up`, an
-    operator's probe) must not find "no responders" for a subject the service says it serves."""
-    await nc.flush()
+    operator's probe) must not find "no responders" for a subject the service says it serves.
+
+    The barrier is a message to ourselves: the server handles one connection's commands in
+    order, so hearing it back means every earlier SUB is in place. Not `nc.flush()`: nats-py
+    (2.16) cancels the PING's future on its timeout, and the late PONG then stops the client's
+    read loop for good."""
+    inbox = nc.new_inbox()
+    heard = asyncio.Event()
+
+    async def on_echo(_: Msg) -> None:
+        heard.set()
+
+    sub = await nc.subscribe(inbox, cb=on_echo, max_msgs=1)
+    await nc.publish(inbox, b"")
+    try:
+        await asyncio.wait_for(heard.wait(), wait_s)
+    except asyncio.TimeoutError:
+        log.warning("the server did not echo within %ss; ready all the same", wait_s)
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
     logs.kv(logger, logging.INFO, line, **fields)
 
 
