@@ -91,6 +91,10 @@ async def test_tool_errors_carry_corral_codes(client, stack):
         ok(await mcp.call_tool("write_file", {"sandbox_id": sid, "path": "/bin/x.sh", "content": "echo hi", "mode": 0o755}))
         assert ok(await mcp.call_tool("exec", {"sandbox_id": sid, "command": "/bin/x.sh"}))["stdout"] == "hi\n"
         ok(await mcp.call_tool("destroy", {"sandbox_id": sid}))
+        # once the scheduler has followed the destroy (a list waits for that), a second one is
+        # not_found; a moment earlier it may be `ok` (docs/contract.md: it cannot tell it from one
+        # in flight when the sandbox went)
+        assert sid not in {i.id for i in await client.list()}
         failed(await mcp.call_tool("destroy", {"sandbox_id": sid}), "not_found")
         assert tb.created == {}
 
