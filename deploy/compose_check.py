@@ -384,7 +384,7 @@ def main() -> int:
             left = run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"]).stdout.split()
             report["checks"]["down leaves no container"] = not left
             report["checks"]["down leaves no mount"] = not mounts_under(node_state)
-            report["checks"]["down leaves no sandbox cgroup"] = _corral_cgroups() <= cgroups_before
+            report["checks"]["down leaves no node cgroup"] = _corral_cgroups() <= cgroups_before
             report["ok"] = all(report["checks"].values())
     except Exception as e:
         report["error"] = str(e)
@@ -406,9 +406,10 @@ def main() -> int:
 
 
 def _corral_cgroups() -> set[str]:
-    """The check node's sandbox cgroups on this host (its node-agent, in a container, makes them
-    in the host's hierarchy, cgroups.py): none may be left once the stack is down."""
-    return {str(p) for pattern in (f"*/corral/{NODE}/*", f"corral/{NODE}/*") for p in Path("/sys/fs/cgroup").glob(pattern)
+    """The check node's cgroups on this host, its parent `corral/<node>-<tag>` and the sandboxes'
+    under it (its node-agent, in a container, makes them in the host's hierarchy): none may be
+    left once the stack is down."""
+    return {str(p) for pattern in (f"*/corral/{NODE}-*", f"corral/{NODE}-*") for p in Path("/sys/fs/cgroup").glob(pattern)
             if p.is_dir()}
 
 

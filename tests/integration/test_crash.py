@@ -206,6 +206,27 @@ async def test_stack_stop_leaves_nothing_of_a_node_agent_killed_for_good():
     shutil.rmtree(stack.data_dir, ignore_errors=True)
 
 
+async def test_a_node_agent_stopped_for_good_removes_its_cgroup_parent():
+    """A node-agent that stops (SIGTERM) destroys its sandboxes and leaves nothing on the host, its
+    cgroup parent included (deploy/compose_check.py found it left behind once compose was down:
+    no stack guard sweeps there)."""
+    stack = make_stack(nodes=1, monitor=False, env_builder=False)
+    await stack.start()
+    try:
+        async with await AsyncClient.connect(stack.url) as c:
+            sb = await c.create(image="busybox", memory_mb=32)
+            assert (await sb.exec("echo hi")).stdout == "hi\n"
+        parent = cgroup_parent(stack.data_dir, "node-1")
+        assert [d for d in os.listdir("/sys/fs/cgroup") if os.path.isdir(f"/sys/fs/cgroup/{d}/{parent}")]
+        agent = stack.proc("node-1").popen
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=120)
+        assert not [d for d in os.listdir("/sys/fs/cgroup") if os.path.isdir(f"/sys/fs/cgroup/{d}/{parent}")]
+    finally:
+        await stack.stop()
+    shutil.rmtree(stack.data_dir, ignore_errors=True)
+
+
 def _procs_in(parent: str) -> list[int]:
     from ..leaks import cgroup_pids
 

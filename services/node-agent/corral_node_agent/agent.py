@@ -30,7 +30,7 @@ from corral_common.contract import subjects
 from corral_common.contract.replies import NodePingReply
 from corral_common.layers import Catalog
 
-from . import oci
+from . import cgroups, oci
 from .audit.wiring import AuditWiring
 from .events import Events
 from .handlers.batch import BatchCreate, clean_claims
@@ -182,6 +182,10 @@ class NodeAgent:
             await sub.close()
         if not self.cfg.keep_sandboxes_on_exit:
             await self.layers.close()
+            parent = getattr(table.substrates.get("container"), "cgroup_parent", "")
+            if parent and not table.sandboxes:
+                # nothing of a node that stopped for good stays on its host: its cgroup parent neither
+                await asyncio.to_thread(cgroups.remove_parent, parent)
         await self.audit.close()  # kept sandboxes: their last execs' limits are reported first
         try:
             await self.nc.drain()

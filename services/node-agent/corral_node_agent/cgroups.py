@@ -300,3 +300,15 @@ def rmtree_cgroup(top: str) -> None:
                 break
             except OSError:
                 time.sleep(0.01)
+
+
+def remove_parent(rel: str) -> None:
+    """A node's cgroup parent (runc's cgroupsPath prefix of its sandboxes), in every hierarchy,
+    once nothing runs in it: only empty groups go (rmdir refuses the others)."""
+    rel = rel.strip("/")
+    if not rel:
+        return
+    tops = [f"{ROOT}/{rel}"] if is_v2() else [f"{ROOT}/{h}/{rel}" for h in sorted(os.listdir(ROOT))]
+    for top in tops:
+        rmtree_cgroup(top)
+
