@@ -40,7 +40,11 @@ async def gw():
 
 def run(gw, max_attempts: int = 1, **kw):
     """One /run_code through the client, off the event loop (the client is synchronous);
-    max_attempts=1: the client's retries would hide a failed answer."""
+    max_attempts=1: the client's retries would hide a failed answer. Timeouts the test does not
+    set are generous: an honest `rustc -O` took over SandboxFusion's default 10 s on a loaded CI
+    machine, and a test checks behaviour, not the machine's speed."""
+    kw.setdefault("compile_timeout", 120)
+    kw.setdefault("run_timeout", 60)
     return asyncio.to_thread(sandbox_fusion.run_code, RunCodeRequest(**kw), endpoint=gw.gateway_url, max_attempts=max_attempts)
 
 
