@@ -220,6 +220,69 @@ async def test_same_request_id_with_another_spec_is_a_conflict(bus):
     assert len((await pending)["sandboxes"]) == 3
 
 
+async def test_a_repeat_while_the_batch_is_placed_waits_for_it(bus):
+    """The SDK hedges a slow batch (asks again with its request_id) and callers retry after a
+    timeout: a repeat that comes while an attempt is still placing the batch waits for that
+    attempt (it renews a lease on the batch's record) and answers what it made, instead of
+    placing the same items beside it and taking half-made ones for made."""
+    nc, node = bus
+    n = await node("repeat", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
+    await heard(nc)
+    rid = f"rp-{uuid.uuid4().hex[:6]}"
+    body = {"spec": {"cpu": 0.1, "memory_mb": 16, "job": rid, "request_id": rid}, "count": 6}
+    n.hold = asyncio.Event()
+    first = asyncio.ensure_future(call(nc, subjects.SANDBOX_CREATE_BATCH, body))
+    repeats: list[asyncio.Future] = []
+    try:
+        for _ in range(100):
+            if n.held:
+                break
+            await asyncio.sleep(0.05)
+        assert n.held == 1
+        repeats = [asyncio.ensure_future(call(nc, subjects.SANDBOX_CREATE_BATCH, body)) for _ in range(2)]
+        await asyncio.sleep(8)  # longer than a lease lasts unrenewed: the placing attempt keeps renewing it
+        assert not any(r.done() for r in repeats) and n.held == 1, "a repeat placed the batch beside its first attempt"
+        n.hold.set()
+        answers = [await first, *[await r for r in repeats]]
+    finally:
+        n.hold.set()
+        await asyncio.gather(first, *repeats, return_exceptions=True)
+    ids = sorted(s["id"] for s in answers[0]["sandboxes"])
+    assert ids == sorted(item_id(rid, i) for i in range(6))
+    for a in answers[1:]:
+        assert sorted(s["id"] for s in a["sandboxes"]) == ids and not a["failed"], a
+    assert sorted(held_by([n], rid)) == ids and n.batches == 1
+
+
+async def test_a_node_lost_mid_batch_is_not_waited_for(bus):
+    """A node that dies while it makes its share (no answer, no more heartbeats) is declared lost
+    after stale_after_s (5 s); the batch stops waiting for it then, long before the node timeout
+    (30 s and more), and makes its share on the nodes still up under the same ids."""
+    nc, node = bus
+    job = f"lostmid-{uuid.uuid4().hex[:6]}"
+    # small nodes: spread hands out items in quanta of 1% of a node's room (here 1 item)
+    up = await node("up", cpu=8.0, memory_mb=100_000, sandboxes=500)
+    dies = await node("dies", cpu=8.0, memory_mb=100_000, sandboxes=500)
+    await heard(nc)
+    dies.hold = asyncio.Event()
+    body = {"spec": {"cpu": 0.1, "memory_mb": 16, "job": job, "placement": "spread"}, "count": 40}
+    pending = asyncio.ensure_future(call(nc, subjects.SANDBOX_CREATE_BATCH, body, timeout=25))
+    try:
+        for _ in range(100):
+            if dies.held:
+                break
+            await asyncio.sleep(0.05)
+        assert dies.held, "spread placement gave the second node no share"
+        dies.beating = False
+        r = await pending
+    finally:
+        dies.hold.set()
+        await asyncio.gather(pending, return_exceptions=True)
+    assert r["ok"] is True and not r["failed"] and len(r["sandboxes"]) == 40, r.get("failed", r)[:3]
+    assert {s["node"] for s in r["sandboxes"]} == {up.name}
+    assert sorted(held_by([up], job)) == sorted(s["id"] for s in r["sandboxes"])
+
+
 async def test_destroyed_items_are_not_made_again_on_retry(bus):
     nc, node = bus
     n = await node("gone", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)

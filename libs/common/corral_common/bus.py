@@ -140,6 +140,32 @@ async def kv_get(kv: KeyValue, key: str, what: str, wait_s: float = 10.0) -> Key
             await asyncio.sleep(0.2)
 
 
+async def kv_delete_while(kv: KeyValue, key: str, holds: Callable[[bytes], bool], revision: int | None = None) -> bool:
+    """Delete `key` only while its value `holds`: a delete on the revision read (or on `revision`,
+    the one the caller last wrote, tried first), read again when something was written in
+    between. False when the value no longer holds or kept changing; True once deleted or absent.
+    Errors reading or writing the bucket propagate."""
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+    for _ in range(3):
+        if revision is None:
+            try:
+                e = await kv.get(key)
+            except KeyNotFoundError:
+                return True
+            if e is None or not e.value:
+                return True
+            if not holds(e.value):
+                return False
+            revision = e.revision
+        try:
+            await kv.delete(key, last=revision)
+            return True
+        except KeyWrongLastSequenceError:
+            revision = None
+    return False
+
+
 class KVWatch:
     """Every change of a KV bucket, as `async for entry in KVWatch(kv)` (None entries, the end of
     the initial values, are left out), across the loss of the server that delivers them.
@@ -382,6 +408,9 @@ def no_responders(msg: Msg) -> bool:
     return msg.headers is not None and msg.headers.get("Status") == "503"
 
 
+GIVE_UP_CHECK_S = 0.5
+
+
 class Scatter:
     """Many requests at once, replies handled as they arrive.
 
@@ -412,8 +441,11 @@ class Scatter:
             st.got.append((int(idx), msg))
             st.wake()
 
-    async def requests(self, reqs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float) -> AsyncIterator[tuple[int, Msg | None]]:
-        """Send every (subject, data, headers) request, then yield (index, Msg | None)."""
+    async def requests(self, reqs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float,
+                       give_up: Callable[[int], bool] | None = None) -> AsyncIterator[tuple[int, Msg | None]]:
+        """Send every (subject, data, headers) request, then yield (index, Msg | None).
+        `give_up(index)`, asked every GIVE_UP_CHECK_S while a request is unanswered: true ends the
+        wait for that one (yielded as unanswered) before the timeout, e.g. once its node is lost."""
         if self.sub is None:
             await self.start()
         self._n += 1
@@ -430,7 +462,15 @@ class Scatter:
             while n_left and not st.expired:
                 if not st.got:
                     st.waiter = loop.create_future()
-                    await st.waiter
+                    if give_up is None:
+                        await st.waiter
+                        continue
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(st.waiter), GIVE_UP_CHECK_S)
+                    for k in [k for k, pending in enumerate(left) if pending and give_up(k)]:
+                        left[k] = False
+                        n_left -= 1
+                        yield k, None
                     continue
                 got, st.got = st.got, []
                 for k, msg in got:

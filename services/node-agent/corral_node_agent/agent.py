@@ -97,7 +97,7 @@ class NodeAgent:
         self.nc = nc = await bus.connect(self.cfg.nats_url, name=f"corral-node-agent-{self.node}")
         js = nc.jetstream()
         await bus.ensure_streams(js)
-        self.placements = Placements(await bus.ensure_kv(js, subjects.KV_PLACEMENTS))
+        self.placements = Placements(await bus.ensure_kv(js, subjects.KV_PLACEMENTS), self.node)
         catalog = await Catalog(js).open()  # read here; only the image-cache writes it
         self.layers = LayerMounts(nc, catalog, self.node, f"{self.state_dir}/layers")
         await self._wait_loader()
@@ -127,6 +127,7 @@ class NodeAgent:
         ops = SandboxOps(self.table, self.lifecycle, self.audit, self.placements, snapshots,
                          trajectories.replay(Exec(nc, self.node, self.audit)), trajectories, self.tunnels)
         self.lifecycle.handler_for = ops.handler
+        self.heartbeats.displaced = self.lifecycle.safe_destroy
         create = Create(nc, self.node, self.table, catalog, self.warm, self.audit, self.placements, events, self.lifecycle)
         # the scheduler declared this node lost (it missed our heartbeats: paused, overloaded,
         # restarting) and deleted our placements: write back those of the sandboxes still alive

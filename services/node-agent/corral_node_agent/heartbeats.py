@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.client import Client as NATS
@@ -53,6 +53,8 @@ class Heartbeats:
         self.observed_mem_mb = 0
         self.adopted = 0  # sandboxes adopted at start (their placements are checked after the first heartbeat)
         self.write_back_lock = asyncio.Lock()
+        # destroys a live sandbox whose id another node holds now (Lifecycle.safe_destroy)
+        self.displaced: Callable[[str, str], Awaitable[None]] | None = None
         self.tasks: set[asyncio.Task] = set()
         self.incarnation = uuid.uuid4().hex[:12]  # this process's, in every heartbeat and ping
         self.serving_since: float | None = None  # monotonic: from here on, sandboxes' subjects are served
@@ -202,7 +204,14 @@ class Heartbeats:
                     if stored is not None and stored.node == self.node and stored.state != "creating":
                         continue
                     if stored is not None and stored.node != self.node:
-                        logs.kv(log, logging.WARNING, "placement names another node; not overwritten", sandbox=sb.id)
+                        # its id was made again elsewhere (a batch asked again) or fenced while this
+                        # node was declared lost: two sandboxes must not answer to one id, and the
+                        # caller was told this one is lost
+                        logs.kv(log, logging.WARNING, "placement names another node; sandbox destroyed", sandbox=sb.id,
+                                owner=stored.node)
+                        if self.displaced is not None:
+                            self._spawn(self.displaced(sb.id, f"its id was placed on {stored.node or 'no node'} "
+                                                              f"while node {self.node} was declared lost"))
                         continue
                     if not self.table.is_live(sb.id):
                         continue  # destroyed meanwhile: its delete must stay the last word

@@ -4,7 +4,12 @@ A KV put is a JetStream round trip, which a create's reply need not wait for (th
 records the placement from the reply): placements are written in the background, one writer
 task per sandbox chained after the previous one, so a sandbox's writes and finally its delete
 land in the order they were made. Whoever reads back or deletes waits for the writes in flight
-(`written`)."""
+(`written`).
+
+A delete removes only this node's own placement. One id can name a sandbox on another node by
+then: a batch's ids follow from its request_id, so when this node is declared lost mid-batch, the
+batch asked again makes the same ids elsewhere, and this node, back (or restarted and cleaning up
+what died with it), must not take those placements away."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +19,7 @@ import msgspec
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from corral_common import logs
+from corral_common import bus, logs
 from corral_common.contract.messages import SandboxInfo, encoder
 
 from .claim import claim_placement
@@ -24,9 +29,11 @@ log = logging.getLogger("corral.node")
 
 
 class Placements:
-    def __init__(self, kv: KeyValue):
+    def __init__(self, kv: KeyValue, node: str):
         self.kv = kv
+        self.node = node
         self.writes: dict[str, asyncio.Future] = {}  # writes in flight, per sandbox
+        self.revisions: dict[str, int] = {}  # the revision of this node's last write, per sandbox
 
     def record(self, sb: Sandbox) -> None:
         """Write the sandbox's placement in the background, after its earlier writes."""
@@ -37,7 +44,7 @@ class Placements:
             if prev is not None:
                 await asyncio.gather(prev, return_exceptions=True)
             try:
-                await self.kv.put(sb.id, data)
+                self.revisions[sb.id] = await self.kv.put(sb.id, data)
             except Exception as e:
                 logs.kv(log, logging.WARNING, "placement not recorded", sandbox=sb.id, error=str(e))
 
@@ -53,15 +60,24 @@ class Placements:
     async def put(self, sb: Sandbox) -> None:
         """Write the placement now (after the writes in flight) and wait for it: errors propagate."""
         await self.written(sb.id)
-        await self.kv.put(sb.id, encoder.encode(sb.info))
+        self.revisions[sb.id] = await self.kv.put(sb.id, encoder.encode(sb.info))
 
     async def delete(self, sid: str) -> None:
-        """Remove the placement (after the writes in flight); a failure is logged, not raised."""
+        """Remove the placement if it is this node's (after the writes in flight): a delete on
+        the revision this node last wrote, else on the one read back if it names this node. A
+        failure is logged, not raised."""
         await self.written(sid)
         try:
-            await self.kv.delete(sid)
+            if not await bus.kv_delete_while(self.kv, sid, self._ours, self.revisions.pop(sid, None)):
+                logs.kv(log, logging.WARNING, "placement names another node; left alone", sandbox=sid)
         except Exception as e:
             logs.kv(log, logging.WARNING, "placement not deleted", sandbox=sid, error=repr(e))
+
+    def _ours(self, value: bytes) -> bool:
+        try:
+            return _stored.decode(value).node == self.node
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
 
     async def claim(self, info: SandboxInfo) -> str:
         """claim.py: "" when the placement is this node's now, else the owner's name."""

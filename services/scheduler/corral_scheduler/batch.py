@@ -8,11 +8,12 @@ each node takes, by the request's pack/spread policy), each node gets its items 
 Idempotency without a KV write per item: with a request_id, item i's sandbox id is derived from it
 (`item_id`), and a node claims the placement key with a KV create before it counts an item as made,
 so a retried or concurrently repeated batch finds what earlier attempts made and no item is ever
-made on two nodes. One small record per batch (`BatchRecord`, written at the end) tells a later
+made on two nodes. One small record per batch (`batch_records.py`, written at its start and end) tells a later
 retry which items were made, so a sandbox destroyed since is reported as gone, not made again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import heapq
 import json
@@ -22,13 +23,12 @@ import time
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from corral_common import bus, logs
 from corral_common.contract import envelope, subjects
 from corral_common.contract.envelope import ErrorBody
-from corral_common.contract.errors import Capacity, Code, Conflict, CorralError, NotFound, Unavailable, from_code
+from corral_common.contract.errors import Capacity, Code, CorralError, NotFound, Unavailable, from_code
 from corral_common.contract.messages import (
     BatchProgress,
     CreateBatchRequest,
@@ -42,6 +42,7 @@ from corral_common.contract.messages import (
 from corral_common.contract.replies import BatchFailure, CreateBatchReply, NodeBatchReply
 
 from . import placement, tenants
+from .batch_records import Records, check_same_batch
 from .counters import BATCH_SECONDS, PLACEMENTS, REJECTIONS
 from .placements import Placements
 from .quotas import Admission
@@ -66,29 +67,11 @@ def default_batch_id(request_id: str) -> str:
     return "b" + hashlib.sha256(request_id.encode()).hexdigest()[:20]
 
 
-class BatchRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What an attempt of a batch left (in `corral_requests`): its size, the digest of its spec
-    and, once it is done, the items it could not make (every other item was made). An attempt
-    writes it when it starts (`done: false`, so a concurrent or later attempt with another spec or
-    count is refused) and again when it ends."""
-
-    count: int
-    failed: list[int] = []
-    digest: str = ""  # spec_digest of the batch's spec ("" in records written before digests)
-    done: bool = True
-
-
 def spec_digest(spec: SandboxSpec) -> str:
     """A digest of what a batch asks for, independent of how the request spelt it (key order,
     defaults given or left out)."""
     body = json.dumps(msgspec.to_builtins(spec), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()[:32]
-
-
-def describe(spec: SandboxSpec) -> str:
-    b = msgspec.to_builtins(spec)
-    b.pop("request_id", None)
-    return json.dumps(b, sort_keys=True)[:300]
 
 
 def slots(st: NodeState, spec: SandboxSpec, policy: Policy) -> int:
@@ -229,17 +212,6 @@ class Progress:
 Item = tuple[int, str]  # (index in the batch, sandbox id)
 
 
-def check_same_batch(rid: str, record: BatchRecord, count: int, digest: str, spec: SandboxSpec) -> None:
-    """A request_id names one batch: the same count and spec on every retry."""
-    if record.count != count:
-        raise Conflict(f"request_id {rid!r} was used for a batch of {record.count}, not {count}: "
-                       f"use a new request_id for a different batch")
-    if record.digest and record.digest != digest:
-        raise Conflict(f"request_id {rid!r} was used for a batch of {record.count} with a different spec "
-                       f"(this one: {describe(spec)}): a retry must send the same spec; "
-                       f"use a new request_id for a different batch")
-
-
 class Batches:
     """`corral.v1.sandbox.create_batch`: plan the batch, one request per node, partial success
     per item, progress events, idempotent with `spec.request_id`."""
@@ -248,7 +220,7 @@ class Batches:
                  placements: Placements, admission: Admission, node_timeout_s: float):
         self.nc = nc
         self.scatter = scatter
-        self.kv_requests = kv_requests
+        self.records = Records(kv_requests)
         self.registry = registry
         self.policy = policy
         self.placements = placements
@@ -264,11 +236,11 @@ class Batches:
         ids = [item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]
         results: list[SandboxInfo | CorralError | None] = [None] * req.count
         digest = spec_digest(spec) if rid else ""
-        record = await self._record(rid) if rid else None
+        key = record_key(rid) if rid else ""
+        record = await self.records.get(key) if rid else None
         if record is not None:
             check_same_batch(rid, record, req.count, digest, spec)
-            if not record.done:
-                record = None  # an attempt that did not finish (its replica died) or is still running
+            record = await self.records.settled(key, rid, record, req.count, digest, spec)
         failed_before = set(record.failed) if record is not None else set()
         todo: list[Item] = []
         for i, sid in enumerate(ids):
@@ -281,8 +253,8 @@ class Batches:
                 todo.append((i, sid))
         if todo:
             self._check_room(spec, len(todo))
-            if rid and record is None:
-                await self._start_record(rid, req.count, digest, spec)
+            if rid:
+                await self.records.start(key, rid, req.count, digest, spec)
             self.admission.admit(spec, len(todo))
         progress = Progress(self.nc, batch_id, req.count, job=spec.job, request_id=rid,
                             reply=(msg.reply or "") if req.stream_progress else "")
@@ -292,52 +264,21 @@ class Batches:
         t0 = time.perf_counter()
         try:
             if todo:
-                await _Placing(self, spec, results, progress).run(todo)
+                async with self.records.lease(key, rid, req.count, digest) if rid else contextlib.nullcontext():
+                    await _Placing(self, spec, results, progress).run(todo)
         finally:
             await progress.done()
         BATCH_SECONDS.observe(time.perf_counter() - t0)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [BatchFailure(index=i, code=r.code.value, message=r.message) for i, r in enumerate(results) if isinstance(r, CorralError)]
         if rid:
-            try:
-                await self.kv_requests.put(record_key(rid), msgspec.json.encode(
-                    BatchRecord(count=req.count, failed=[f.index for f in failed], digest=digest)))
-            except Exception:
-                log.warning("batch record not written", extra={"fields": {"batch_id": batch_id}})
+            await self.records.finish(key, rid, req.count, [f.index for f in failed], digest)
         logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
                 seconds=round(time.perf_counter() - t0, 3))
         if not made:
             first = failed[0]
             raise from_code(first.code, f"none of the {req.count} sandboxes could be created: {first.message}")
         return reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
-
-    async def _start_record(self, rid: str, count: int, digest: str, spec: SandboxSpec) -> None:
-        """Note the batch's count and spec digest before anything is made, so that a concurrent
-        attempt, or a retry after this replica died, with another spec is refused too."""
-        try:
-            await self.kv_requests.create(record_key(rid), msgspec.json.encode(BatchRecord(count=count, digest=digest, done=False)))
-            return
-        except KeyWrongLastSequenceError:
-            pass
-        except Exception as e:
-            if "wrong last sequence" not in str(e).lower() and "key exists" not in str(e).lower():
-                log.warning("batch record not written", extra={"fields": {"request_id": rid, "error": str(e)}})
-                return
-        other = await self._record(rid)  # another attempt wrote one first
-        if other is not None:
-            check_same_batch(rid, other, count, digest, spec)
-
-    async def _record(self, rid: str) -> BatchRecord | None:
-        try:
-            e = await self.kv_requests.get(record_key(rid))
-        except KeyNotFoundError:
-            return None
-        if e is None or not e.value:
-            return None
-        try:
-            return msgspec.json.decode(e.value, type=BatchRecord)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
 
     async def _gone_or_placed(self, sid: str, index: int) -> SandboxInfo | CorralError:
         """An item an earlier attempt made that this replica does not see placed (yet)."""
@@ -431,7 +372,8 @@ class _Placing:
             reqs.append((subjects.node_create_batch(st.hb.node), encoder.encode(NodeCreateBatch(items=items)), None))
             sent.append((st, chunk, res))
         timeout = b.node_timeout_s + 0.25 * max((len(c) for _, c in groups), default=0)
-        async for j, msg in b.scatter.requests(reqs, timeout):
+        lost = b.registry.declared_lost
+        async for j, msg in b.scatter.requests(reqs, timeout, give_up=lambda j: sent[j][0].hb.node in lost):
             st, chunk, res = sent[j]
             retry += await self._node_reply(st, chunk, res, msg, timeout)
         return retry
@@ -444,7 +386,11 @@ class _Placing:
         node, k = st.hb.node, len(chunk)
         whole: CorralError | None = None
         reply: NodeBatchReply | None = None
-        if msg is None:
+        if msg is None and node in self.b.registry.declared_lost:
+            # its placements are deleted: planned again elsewhere under the same ids (were it
+            # alive after all, it finds them taken when it is heard again and destroys its copies)
+            whole = Unavailable(f"node {node} was lost while it made its share of the batch")
+        elif msg is None:
             # the node may still make them: with a request_id a retry of the batch finds them
             whole = CorralError(f"node {node} did not answer within {timeout:g}s", Code.TIMEOUT)
         elif bus.no_responders(msg):
@@ -470,6 +416,7 @@ class _Placing:
             await self.progress.add(failed=k)
             return []
         assert reply is not None
+        alive = {s.hb.node for s in self.b.registry.alive()}
         made = failed = 0
         retry: list[Item] = []
         for (i, sid), r in zip(chunk, reply.results):
@@ -481,8 +428,10 @@ class _Placing:
             why = r.error or ErrorBody(code="internal", message="node gave no reason")
             err = from_code(why.code, why.message, why.retry_after_s)
             if err.code == Code.CONFLICT:  # another attempt of this batch made it elsewhere
+                # made, that is: not a claim whose sandbox may never come, nor a placement its lost
+                # node left (deleted soon; the item is planned again then)
                 info = await self.b.placements.lookup(sid)
-                if info is not None:
+                if info is not None and info.state in ("running", "paused") and info.node in alive:
                     self._resolve(i, info)
                     made += 1
                     continue

@@ -121,6 +121,7 @@ class Nodes:
                 if node in alive:
                     if node in lost:
                         lost.discard(node)
+                        self.registry.declared_lost.discard(node)
                         await self._tell_heard_again(node)
                     continue
                 if st.hb.stopping:
@@ -134,6 +135,7 @@ class Nodes:
                     continue
                 lost.add(node)
                 await self._declare_lost(node, now)
+                self.registry.declared_lost.add(node)
 
     async def _tell_heard_again(self, node: str) -> None:
         """A node declared lost heartbeats again. It may never have heard that it was declared
@@ -154,7 +156,7 @@ class Nodes:
                 Event(kind="lost", ts=time.time(), sandbox_id=info.id, node=node, job=info.job,
                       reason=f"node {node} stopped heartbeating")))
             try:
-                await self.placements.delete(info.id)
+                await self.placements.delete_lost(info.id, node)
             except Exception as e:
                 logs.kv(log, logging.WARNING, "placement not deleted", sandbox=info.id, error=repr(e))
         await self.nc.publish(subjects.node_event(node, "lost"), encoder.encode(

@@ -122,8 +122,18 @@ class Placements:
             return True, info
         return True, None
 
-    async def delete(self, sid: str) -> None:
-        await self.kv.delete(sid)
+    async def delete_lost(self, sid: str, node: str) -> None:
+        """Delete the placement of `sid` on `node`, which is lost, if the bucket still holds one
+        on that node: a table behind the bucket (its watch failing over) may still show a
+        placement that another node made since under the same id (a batch asked again), and
+        that one stays. The delete is on the revision read, so nothing written since is lost."""
+        def on_node(value: bytes) -> bool:
+            try:
+                return _info_decoder.decode(value).node == node
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return False  # a fence, or not a placement: not the lost node's
+
+        await bus.kv_delete_while(self.kv, sid, on_node)
 
     async def start(self) -> None:
         self.watcher = bus.KVWatch(self.kv)

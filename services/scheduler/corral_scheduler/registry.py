@@ -98,6 +98,9 @@ class Registry:
     def __init__(self, stale_after_s: float = 5.0):
         self.nodes: dict[str, NodeState] = {}
         self.stale_after_s = stale_after_s
+        # nodes this replica declared lost (their placements deleted), until they heartbeat again:
+        # a request still waiting on one stops waiting (nodes.py sets it)
+        self.declared_lost: set[str] = set()
         self._alive: list[NodeState] = []
         self._alive_at = 0.0
 
