@@ -22,6 +22,7 @@ events, no placements; their memory does count in the node's observed use."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -231,8 +232,15 @@ class WarmPool:
             return False
         _, image = max(needy)
         t0 = time.perf_counter()
+        build = asyncio.ensure_future(self.sub.create_warm(image))
         try:
-            sb = await self.sub.create_warm(image)
+            sb = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # the pool is closing mid-build: the build ends, then goes (a build cut off half-way
+            # left its sandbox dir and runc state behind)
+            with contextlib.suppress(Exception):
+                await self._destroy(await build)
+            raise
         except NotFound as e:
             self.failed_until[image] = now + 30
             logs.kv(log, logging.WARNING, "warm pool image not found; retrying in 30 s", image=image, error=str(e))
