@@ -468,6 +468,13 @@ class AsyncSandbox:
         r = await self._call("snapshot", SnapshotRequest(name=name, labels=labels or {}), SnapshotReply, timeout=600)
         return r.image.name
 
+    async def fork(self, *, timeout: float = 120.0, **kw: Any) -> AsyncSandbox:
+        """A new sandbox on this one's node and image whose files start as a copy of this one's
+        (frozen for the copy; its processes are not copied). `kw`: SandboxSpec fields for the
+        fork (cpu, memory_mb, disk_mb, ttl_s, labels, ...); its protections include this one's."""
+        spec = SandboxSpec(fork_of=self.id, substrate=self.info.substrate, **kw)
+        return await self.client.create_spec(spec, timeout=timeout)
+
     async def changes(self, include: list[str] | None = None, exclude: list[str] | None = None, *,
                       max_archive_bytes: int = 4 * 1024 * 1024, max_entries: int = 50_000, timeout: float = 120.0) -> ChangesReply:
         """What the sandbox changed against its image, read by its node outside the sandbox (frozen

@@ -149,6 +149,9 @@ class Sandbox:
     def snapshot(self, name: str = "", labels: dict[str, str] | None = None) -> str:
         return _run(self._a.snapshot(name, labels))
 
+    def fork(self, **kw: Any) -> Sandbox:
+        return Sandbox(_run(self._a.fork(**kw)))
+
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) inside this sandbox; see AsyncSandbox.call."""
         return _run(self._a.call(fn, *args, **kwargs))

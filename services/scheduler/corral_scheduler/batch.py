@@ -230,7 +230,7 @@ class Batches:
     async def on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)
         spec = req.spec = tenants.stamp(msg, req.spec)
-        placement.check_substrate(self.registry, spec)
+        placement.check_substrate(self.registry, spec, many=True)
         rid = spec.request_id
         batch_id = req.batch_id or (default_batch_id(rid) if rid else new_id("batch"))
         ids = [item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]

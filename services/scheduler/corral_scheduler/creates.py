@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -22,7 +23,7 @@ from nats.js.kv import KeyValue
 from corral_common import bus, logs
 from corral_common.contract import subjects
 from corral_common.contract.envelope import decode_reply
-from corral_common.contract.errors import Code, CorralError, Unavailable
+from corral_common.contract.errors import Code, CorralError, NotFound, Unavailable
 from corral_common.contract.messages import NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id
 from corral_common.contract.replies import NodeCreateReply, SandboxReply
 
@@ -63,16 +64,28 @@ class Creates:
 
     async def create(self, spec: SandboxSpec, reply_to: str = "") -> Placed:
         """Place one sandbox. With `reply_to`, the node that makes it may answer there itself."""
+        node = ""
+        if spec.fork_of:
+            spec, node = await self._fork_source(spec)
         placement.check_substrate(self.registry, spec)
         self.admission.admit(spec, 1)
         try:
-            return await self._create(spec, reply_to)
+            return await self._create(spec, reply_to, node)
         finally:
             self.admission.settle(spec)
 
-    async def _create(self, spec: SandboxSpec, reply_to: str) -> Placed:
+    async def _fork_source(self, spec: SandboxSpec) -> tuple[SandboxSpec, str]:
+        """A fork is made on its source's node, with its source's substrate and image (the node
+        checks the rest: running, not paused, forkable). Another tenant's sandbox is as unknown
+        as one that does not exist."""
+        src = await self.placements.lookup(spec.fork_of)
+        if src is None or src.state not in ("running", "paused") or (spec.tenant and src.tenant != spec.tenant):
+            raise NotFound(f"sandbox {spec.fork_of!r} (to fork) not found; it may have been destroyed")
+        return msgspec.structs.replace(spec, substrate=src.substrate, image=src.image), src.node
+
+    async def _create(self, spec: SandboxSpec, reply_to: str, node: str) -> Placed:
         if not spec.request_id:
-            return await self._place(new_id(), spec, reply_to)
+            return await self._place(new_id(), spec, reply_to, node)
         key = "r" + hashlib.sha256(spec.request_id.encode()).hexdigest()[:40]
         sid = new_id()
         try:
@@ -84,7 +97,7 @@ class Creates:
                 return Placed(await self._existing(key, spec.request_id))
             raise
         try:
-            return await self._place(sid, spec, reply_to)
+            return await self._place(sid, spec, reply_to, node)
         except Exception as e:
             unanswered = sid in self._unanswered or not isinstance(e, CorralError) or e.code in (Code.TIMEOUT, Code.UNAVAILABLE)
             self._unanswered.discard(sid)
@@ -151,16 +164,23 @@ class Creates:
             raise Unavailable(f"an earlier attempt with request_id {request_id!r} failed; retry", retry_after_s=0.1)
         raise CorralError(f"request_id {request_id!r} is still being placed by another attempt", Code.TIMEOUT)
 
-    async def _place(self, sid: str, spec: SandboxSpec, reply_to: str) -> Placed:
+    async def _place(self, sid: str, spec: SandboxSpec, reply_to: str, node: str) -> Placed:
         done = self.placements.placing[sid] = asyncio.Event()
         try:
-            return await self._place_on_a_node(sid, spec, reply_to)
+            return await self._place_on_a_node(sid, spec, reply_to, node)
         finally:
             self.placements.placing.pop(sid, None)
             done.set()
 
-    async def _place_on_a_node(self, sid: str, spec: SandboxSpec, reply_to: str) -> Placed:
+    async def _place_on_a_node(self, sid: str, spec: SandboxSpec, reply_to: str, node: str) -> Placed:
+        """On the best of up to three candidate nodes; only on `node` if one is named (a fork)."""
         alive = self.registry.alive()
+        what = "a sandbox"
+        if node:
+            alive = [st for st in alive if st.hb.node == node]
+            if not alive:
+                raise Unavailable(f"node {node}, which holds sandbox {spec.fork_of} (to fork), is not answering", retry_after_s=1.0)
+            what = f"a fork of {spec.fork_of} (made on its node, {node})"
         tried: list[str] = []
         last: CorralError | None = None
         timed_out = full = False
@@ -198,7 +218,7 @@ class Creates:
             REJECTIONS.labels(Code.UNAVAILABLE.value).inc()
             raise Unavailable(f"no node could make the sandbox now; tried {', '.join(tried)}: {last.message if last else ''}",
                               retry_after_s=1.0)
-        raise placement.no_room("a sandbox", spec, alive, self.policy, tried, last, retry_after_s=1.0)
+        raise placement.no_room(what, spec, alive, self.policy, tried, last, retry_after_s=1.0)
 
     async def _held_elsewhere(self, sid: str, refused_by: str) -> SandboxInfo | None:
         """The sandbox `sid` as placed by a node other than `refused_by`, if one holds it: a node

@@ -35,5 +35,9 @@ NETWORK = "corral.network"
 # alerts on them, name the tenant, which hears them on subjects.tenant_alert
 TENANT = "corral.tenant"
 
+# set by the node on a fork (SandboxSpec.fork_of; a spec's own is dropped): the sandbox it was
+# forked from, whose files it started with
+FORK_OF = "corral.fork_of"
+
 # the edge adapter a sandbox was made for (the SandboxFusion gateway: "sandbox-fusion")
 ADAPTER = "corral.adapter"

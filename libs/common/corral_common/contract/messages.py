@@ -53,6 +53,10 @@ class SandboxSpec(Request, kw_only=True):
     # the tenant it is for: set by the scheduler from the caller's authenticated account (what a
     # tenant writes here is replaced); the operator may create for a tenant
     tenant: Annotated[str, Meta(max_length=32, pattern=r"^([a-z][a-z0-9-]*)?$")] = ""
+    # a fork: the new sandbox starts with a copy of this running sandbox's files (its writable
+    # layer, taken while it is frozen for that moment) on the same image, on the same node; its
+    # processes and memory are not copied (container substrate). `image` is the source's
+    fork_of: Annotated[str, Meta(max_length=64, pattern=r"^([A-Za-z0-9_-]+)?$")] = ""
 
 
 class SandboxInfo(Struct, kw_only=True, omit_defaults=True, gc=False):

@@ -6,12 +6,13 @@ import asyncio
 import logging
 import time
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from corral_common import bus, logs, metrics
 from corral_common.contract import envelope
-from corral_common.contract.errors import Conflict, CorralError, InvalidRequest, Unavailable
+from corral_common.contract.errors import Conflict, CorralError, InvalidRequest, NotFound, Unavailable
 from corral_common.contract.messages import NodeCreate, SandboxInfo, SandboxSpec
 from corral_common.contract.replies import NodeCreateReply, SandboxReply
 from corral_common.layers import Catalog
@@ -32,6 +33,15 @@ CREATE_SECONDS = metrics.histogram(
     "corral_sandbox_create_seconds", "Time to create a sandbox on the node", ("node", "substrate"),
     buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+
+
+def fork_spec(source: SandboxSpec, spec: SandboxSpec) -> SandboxSpec:
+    """A fork's spec: the source's image, and its protections kept (its protected paths and
+    canaries, which its copied files may hold, with the request's added; a fork must not be a
+    way to read what the source guards unwatched), its labels under the request's."""
+    paths = list(dict.fromkeys([*source.protected_paths, *spec.protected_paths]))
+    return msgspec.structs.replace(spec, image=source.image, protected_paths=paths, canaries={**source.canaries, **spec.canaries},
+                                   labels={**source.labels, **spec.labels})
 
 
 class Create:
@@ -65,26 +75,47 @@ class Create:
         sub = self.table.substrate_for(spec)
         if req.sandbox_id in self.table.sandboxes:
             return NodeCreateReply(sandbox=self.table.sandboxes[req.sandbox_id].info)
+        source = None
+        if spec.fork_of:
+            source = self._fork_source(spec)
+            spec = fork_spec(source.spec, spec)
         # the check and the booking happen with no await in between: concurrent creates each see
         # the ones accepted before them
         self.table.admit_create(req.sandbox_id, spec)
         try:
-            return await self._create(req, spec, sub, claimed, reply)
+            return await self._create(req, spec, sub, claimed, reply, source)
         finally:
             self.table.done_creating(req.sandbox_id)
 
-    async def _create(self, req: NodeCreate, spec: SandboxSpec, sub: Substrate, claimed: bool, reply: str) -> NodeCreateReply:
+    def _fork_source(self, spec: SandboxSpec) -> Sandbox:
+        """The running sandbox `spec.fork_of` names, if this request may fork it: another tenant's
+        is as unknown as one that does not exist."""
+        src = self.table.sandboxes.get(spec.fork_of)
+        if src is None or (spec.tenant and src.info.tenant != spec.tenant):
+            raise NotFound(f"sandbox {spec.fork_of!r} (to fork) not found on node {self.node}")
+        if src.spec.substrate != spec.substrate:
+            raise InvalidRequest(f"a fork has its source's substrate: sandbox {src.id} is {src.spec.substrate!r}, "
+                                 f"the request asks for {spec.substrate!r}")
+        if src.paused or src.info.state != "running":
+            raise InvalidRequest(f"sandbox {src.id} is {src.info.state}: only a running sandbox can be forked (resume it first)")
+        return src
+
+    async def _create(self, req: NodeCreate, spec: SandboxSpec, sub: Substrate, claimed: bool, reply: str,
+                      source: Sandbox | None) -> NodeCreateReply:
         now = time.time()
         info = SandboxInfo(id=req.sandbox_id, node=self.node, state="creating", substrate=spec.substrate, image=spec.image,
                            created_at=now, expires_at=now + spec.ttl_s, job=spec.job, labels=sandbox_labels(spec),
                            cpu=spec.cpu, memory_mb=spec.memory_mb, request_id=spec.request_id, tenant=spec.tenant)
         t0 = time.perf_counter()
-        # a warm sandbox's image was in the catalog when it was built (the pool re-checks)
-        sb = await self.warm.claim(info, spec)
+        # a warm sandbox's image was in the catalog when it was built (the pool re-checks); a
+        # fork is built cold (its upper is filled before its overlay is mounted)
+        sb = await self.warm.claim(info, spec) if source is None else None
         if sb is None and sub.uses_catalog:  # docker resolves its own (local Docker) images
             await self.catalog.image(spec.image)  # NotFound with the list of images, before any work
         try:
-            if sb is None:
+            if source is not None:
+                sb = await sub.fork(source, info, spec)
+            elif sb is None:
                 sb = await sub.create(info, spec)
         except CorralError:
             await self.events.failed(info.id, "create failed", job=spec.job)
@@ -118,7 +149,8 @@ class Create:
         except Exception:
             log.exception("create bookkeeping failed", extra={"fields": {"sandbox": sb.id}})
         self.audit.limits.check(sb, sub)
-        await self.events.of(sb, "created", reason="claimed from the warm pool" if sb.warm_id else "")
+        reason = f"forked from {source.id}" if source is not None else "claimed from the warm pool" if sb.warm_id else ""
+        await self.events.of(sb, "created", reason=reason)
         await self.events.of(sb, "ready")
         return NodeCreateReply(sandbox=sb.info, counted_at=counted_at, replied=direct)
 

@@ -141,13 +141,16 @@ class SandboxOps:
         return DestroyReply(sandbox_id=sb.id)
 
     async def _pause(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:
-        await sub.pause(sb)
+        # after any freeze-and-read in progress (changes, snapshot, fork), whose thaw would undo it
+        async with sb.changes_lock:
+            await sub.pause(sb)
         sb.info.state = "paused"
         await self.placements.put(sb)
         return SandboxReply(sandbox=sb.info)
 
     async def _resume(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:
-        await sub.resume(sb)
+        async with sb.changes_lock:
+            await sub.resume(sb)
         sb.info.state = "running"
         await self.placements.put(sb)
         return SandboxReply(sandbox=sb.info)

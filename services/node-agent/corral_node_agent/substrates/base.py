@@ -149,15 +149,28 @@ class Substrate(abc.ABC):
         middle of another's walk."""
         from ..changes import list_changes
 
+        async with self.frozen(sb):
+            return await asyncio.to_thread(list_changes, upper, req)
+
+    @contextlib.asynccontextmanager
+    async def frozen(self, sb: Sandbox) -> AsyncIterator[None]:
+        """The sandbox frozen (this substrate's pause) while its files are read, thawed after
+        unless it was paused before. Reads of one sandbox take turns (`changes_lock`), so one's
+        thaw cannot land in the middle of another's read."""
         async with sb.changes_lock:
             was_paused = sb.paused
             if not was_paused:
                 await self.pause(sb)
             try:
-                return await asyncio.to_thread(list_changes, upper, req)
+                yield
             finally:
                 if not was_paused:
                     await self.resume(sb)
+
+    async def fork(self, source: Sandbox, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        """A new sandbox `info` on this node whose files start as a copy of the running `source`'s
+        (SandboxSpec.fork_of); the caller checked that the source may be forked by this request."""
+        raise InvalidRequest(f"substrate {self.name!r} cannot fork sandboxes (the container substrate can)")
 
     @abc.abstractmethod
     async def usage(self, sb: Sandbox) -> Usage: ...

@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
@@ -35,7 +36,8 @@ from . import runc_cli
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .common import adopt_exec_groups, load_record, make_io_dir, save_record, unwatch_pidfd, watch_pidfd
 from .container_exec import exec_in
-from .container_sandbox import DEFAULT_ENV, INIT_NOTIFY_FD, ContainerSandbox, Record, init_responsive, mount_root
+from .container_fork import copy_upper
+from .container_sandbox import DEFAULT_ENV, INIT_NOTIFY_FD, ContainerSandbox, Record, init_responsive, mount_overlay, mount_upper
 from .runc_cli import readable
 
 log = logging.getLogger("corral.node.container")
@@ -50,6 +52,10 @@ WARM_PREFIX = "wp-"
 USERNS_ENV = "CORRAL_USERNS"
 #: what a warm-pool sandbox is built with; a claim rewrites limits, disk size and workdir
 WARM_SPEC = SandboxSpec(image="busybox", cpu=1.0, memory_mb=256, disk_mb=1024, pids_max=1024)
+#: how long a freeze for reading the sandbox's files may take to settle (tasks in the kernel)
+FREEZE_TIMEOUT_S = 2.0
+#: what fills a new sandbox's empty upper dir before its overlay is mounted (a fork's copy)
+Fill = Callable[[str], Awaitable[None]]
 
 
 class ContainerSubstrate(Substrate):
@@ -110,13 +116,13 @@ class ContainerSubstrate(Substrate):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+    async def create(self, info: SandboxInfo, spec: SandboxSpec, fill: Fill | None = None) -> Sandbox:
         lowers, layers = await self.layers.acquire(spec.image)
         sid = info.id
         sdir = f"{self.sandboxes_dir}/{sid}"
         cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
         try:
-            return await self._create(info, spec, ":".join(lowers), layers, sdir, cg)
+            return await self._create(info, spec, ":".join(lowers), layers, sdir, cg, fill)
         except BaseException:
             await asyncio.shield(self._teardown_async(sid, sdir, cg, None, layers))
             raise
@@ -125,7 +131,19 @@ class ContainerSubstrate(Substrate):
         await asyncio.to_thread(self._teardown, sid, sdir, cg, pidfd)
         await self.layers.release(layers)
 
-    async def _create(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str, cg: cgroups.Cgroups) -> ContainerSandbox:
+    async def fork(self, source: Sandbox, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        """A cold create whose upper is filled, before its overlay is mounted, with a copy of the
+        frozen source's (container_fork.py)."""
+        assert isinstance(source, ContainerSandbox)
+
+        async def fill(upper: str) -> None:
+            async with self.frozen(source):
+                await copy_upper(source, upper, spec.disk_mb)
+
+        return await self.create(info, spec, fill)
+
+    async def _create(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str, cg: cgroups.Cgroups,
+                      fill: Fill | None) -> ContainerSandbox:
         sid = info.id
         # traversable, not listable, for the sandbox's root (runc mounts its root from inside
         # its user namespace); what the state dir holds that the sandbox must not read is 0600
@@ -135,7 +153,7 @@ class ContainerSubstrate(Substrate):
         os.makedirs(f"{sdir}/rootfs")
         base, user_fd = self._user_namespace(sid, sdir)
         try:
-            return await self._create_in(info, spec, lower, layers, sdir, cg, base, user_fd)
+            return await self._create_in(info, spec, lower, layers, sdir, cg, base, user_fd, fill)
         finally:
             if user_fd is not None:
                 os.close(user_fd)
@@ -150,10 +168,13 @@ class ContainerSubstrate(Substrate):
         return base, self.ns_helper.make(base)[0]
 
     async def _create_in(self, info: SandboxInfo, spec: SandboxSpec, lower: str, layers: list[str], sdir: str,
-                         cg: cgroups.Cgroups, base: int, user_fd: int | None) -> ContainerSandbox:
+                         cg: cgroups.Cgroups, base: int, user_fd: int | None, fill: Fill | None) -> ContainerSandbox:
         sid = info.id
         make_io_dir(f"{sdir}/io", base)
-        mount_root(sdir, lower, spec.disk_mb, user_fd, base)
+        upper = mount_upper(sdir, spec.disk_mb)
+        if fill is not None:
+            await fill(upper)
+        mount_overlay(sdir, lower, user_fd, base)
         if spec.workdir not in ("", "/"):
             with userns.acting_as(base):
                 confine.mkdirs(f"{sdir}/rootfs", spec.workdir)
@@ -482,6 +503,25 @@ class ContainerSubstrate(Substrate):
             return
         await runc_cli.simple(self.runc, self.runc_root, "resume", sb.id)
         sb.paused = False
+
+    @contextlib.asynccontextmanager
+    async def frozen(self, sb: Sandbox) -> AsyncIterator[None]:
+        """Frozen through the sandbox's cgroup freezer itself rather than `runc pause` and
+        `resume`: two runc processes less on the clock of a fork or a `changes` (runc reads a
+        container's paused state from that same freezer). Pause and resume requests wait for it
+        (they take `changes_lock` too), so a thaw here never undoes one."""
+        assert isinstance(sb, ContainerSandbox)
+        async with sb.changes_lock:
+            if sb.paused:
+                yield
+                return
+            if not await asyncio.to_thread(sb.cg.freeze, FREEZE_TIMEOUT_S):
+                sb.cg.thaw()
+                raise Unavailable(f"sandbox {sb.id} could not be frozen to read its files; retry", retry_after_s=0.5)
+            try:
+                yield
+            finally:
+                sb.cg.thaw()
 
 
     async def usage(self, sb: Sandbox) -> Usage:

@@ -77,15 +77,21 @@ class ContainerSandbox(StayingSandbox):
         self.io = f"{sdir}/io"
 
 
-def mount_root(sdir: str, lower: str, disk_mb: int, userns_fd: int | None = None, base: int = 0) -> None:
-    """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs; `sdir/rootfs`:
-    the overlay of `lower` (image layers, ':'-separated) and that upper. With a user namespace
-    (`userns_fd`, its range at host uid `base`), every layer, the upper's too, is an idmapped
-    clone (userns.py) and the overlay is mounted as the sandbox's root: files stay owned by uid 0
-    on disk and are the sandbox's root's inside, not host root's."""
+def mount_upper(sdir: str, disk_mb: int) -> str:
+    """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs. Returns the upper
+    dir, which a fork fills before the overlay is mounted over it (mount_overlay)."""
     linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={disk_mb}m,mode=755")
     os.mkdir(f"{sdir}/rw/upper", 0o755)
     os.mkdir(f"{sdir}/rw/work", 0o755)
+    return f"{sdir}/rw/upper"
+
+
+def mount_overlay(sdir: str, lower: str, userns_fd: int | None = None, base: int = 0) -> None:
+    """`sdir/rootfs`: the overlay of `lower` (image layers, ':'-separated) and the upper on
+    `sdir/rw` (mount_upper). With a user namespace (`userns_fd`, its range at host uid `base`),
+    every layer, the upper's too, is an idmapped clone (userns.py) and the overlay is mounted as
+    the sandbox's root: files stay owned by uid 0 on disk and are the sandbox's root's inside,
+    not host root's."""
     # nosuid/nodev on the host side too: a setuid file the sandbox makes must not be a way
     # to root for a host user who can reach the state dir. upper and work are given as
     # /proc/self/fd paths: overlayfs shows its options verbatim in the sandbox's own
@@ -115,6 +121,12 @@ def mount_root(sdir: str, lower: str, disk_mb: int, userns_fd: int | None = None
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def mount_root(sdir: str, lower: str, disk_mb: int, userns_fd: int | None = None, base: int = 0) -> None:
+    """The upper's tmpfs and the overlay over it, with nothing filled in between."""
+    mount_upper(sdir, disk_mb)
+    mount_overlay(sdir, lower, userns_fd, base)
 
 
 def init_responsive(ctl: str, paused: bool) -> bool:
