@@ -24,9 +24,18 @@ async def test_sandbox_commands(stack):
     assert p.returncode == 3 and p.stdout == "out\n" and p.stderr == "err\n"
     listed = json.loads(corral(stack, "sandbox", "ls", "--job", "cli", "--json").stdout)
     assert [i["id"] for i in listed] == [sid]
-    assert corral(stack, "sandbox", "rm", sid).stdout.strip() == sid
+    # two forks of it: its files, not its processes
+    corral(stack, "sandbox", "exec", sid, "echo from-source > /root/f")
+    forks = corral(stack, "sandbox", "create", "--fork-of", sid, "--count", "2", "--cpu", "0.1", "--memory-mb", "32",
+                   "--job", "cli").stdout.split()
+    assert len(set(forks)) == 2 and sid not in forks, forks
+    for f in forks:
+        assert corral(stack, "sandbox", "exec", f, "cat /root/f").stdout == "from-source\n"
+    assert corral(stack, "sandbox", "rm", sid, *forks).stdout.split() == [sid, *forks]
     p = corral(stack, "sandbox", "exec", sid, "true", check=False)
     assert p.returncode == 1 and "not_found" in p.stderr
+    p = corral(stack, "sandbox", "create", "--fork-of", sid, check=False)
+    assert p.returncode == 1 and "not_found" in p.stderr and "to fork" in p.stderr, (p.stdout, p.stderr)
 
 
 async def test_image_and_traj_commands(stack, client, tmp_path):

@@ -94,6 +94,9 @@ async def test_forks_refused_clearly_and_leave_nothing(stack, client):
             await src.fork(cpu=0.25, memory_mb=64, disk_mb=4)
         assert set(os.listdir(sandboxes_dir(stack, node))) == before
         assert (await src.exec("echo still-here")).stdout == "still-here\n"  # thawed after the failed copy
+        # a container's memory cannot be snapshot (its files can)
+        with pytest.raises(InvalidRequest, match="cannot snapshot memory"):
+            await src.snapshot("not-made", memory=True)
         # a paused sandbox is not forked (resume it first)
         await src.pause()
         with pytest.raises(InvalidRequest, match="only a running sandbox can be forked"):

@@ -134,12 +134,16 @@ def sandbox_create(
     image: str = typer.Option("busybox"), substrate: str = typer.Option("container"), cpu: float = typer.Option(1.0),
     memory_mb: int = typer.Option(512), ttl_s: float = typer.Option(3600.0), job: str = typer.Option(""),
     label: list[str] = typer.Option([], help="key=value"), count: int = typer.Option(1),
+    fork_of: str = typer.Option("", help="fork this running sandbox: its files, on its node and image (one create per fork)"),
 ) -> None:
     """Create sandboxes and print their ids."""
     labels = dict(kv.split("=", 1) for kv in label)
     c = _client()
     try:
-        if count == 1:
+        if fork_of:
+            src = c.sandbox(fork_of)
+            sbs = [src.fork(cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels) for _ in range(count)]
+        elif count == 1:
             sbs = [c.create(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels)]
         else:
             sbs = c.create_batch(count, image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels)

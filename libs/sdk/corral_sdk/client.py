@@ -463,16 +463,17 @@ class AsyncSandbox:
         self.info = r.sandbox
         return self.info
 
-    async def snapshot(self, name: str = "", labels: dict[str, str] | None = None) -> str:
-        """Snapshot the sandbox's filesystem as an image; returns the image name."""
-        r = await self._call("snapshot", SnapshotRequest(name=name, labels=labels or {}), SnapshotReply, timeout=600)
+    async def snapshot(self, name: str = "", labels: dict[str, str] | None = None, *, memory: bool = False) -> str:
+        """Snapshot the sandbox's filesystem as an image; returns the image name. `memory=True`:
+        its processes' memory too, where the substrate can (none can yet: invalid_request)."""
+        r = await self._call("snapshot", SnapshotRequest(name=name, labels=labels or {}, memory=memory), SnapshotReply, timeout=600)
         return r.image.name
 
     async def fork(self, *, timeout: float = 120.0, **kw: Any) -> AsyncSandbox:
         """A new sandbox on this one's node and image whose files start as a copy of this one's
         (frozen for the copy; its processes are not copied). `kw`: SandboxSpec fields for the
         fork (cpu, memory_mb, disk_mb, ttl_s, labels, ...); its protections include this one's."""
-        spec = SandboxSpec(fork_of=self.id, substrate=self.info.substrate, **kw)
+        spec = SandboxSpec(fork_of=self.id, **kw)  # the scheduler gives it the source's substrate and image
         return await self.client.create_spec(spec, timeout=timeout)
 
     async def changes(self, include: list[str] | None = None, exclude: list[str] | None = None, *,

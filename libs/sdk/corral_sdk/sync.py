@@ -146,8 +146,8 @@ class Sandbox:
     def renew(self, ttl_s: float | None = None) -> SandboxInfo:
         return _run(self._a.renew(ttl_s))
 
-    def snapshot(self, name: str = "", labels: dict[str, str] | None = None) -> str:
-        return _run(self._a.snapshot(name, labels))
+    def snapshot(self, name: str = "", labels: dict[str, str] | None = None, *, memory: bool = False) -> str:
+        return _run(self._a.snapshot(name, labels, memory=memory))
 
     def fork(self, **kw: Any) -> Sandbox:
         return Sandbox(_run(self._a.fork(**kw)))

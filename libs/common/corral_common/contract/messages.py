@@ -290,6 +290,9 @@ class RestoreRequest(Request, kw_only=True):
 class SnapshotRequest(Request, kw_only=True):
     name: str = ""  # image name for the snapshot; default snap-<sandbox>-<ms>
     labels: LabelMap = {}
+    # the processes' memory too (a restore resumes them): only substrates that can save a running
+    # guest (none yet: the microvm/vm substrates are planned); others answer invalid_request
+    memory: bool = False
 
 
 # ----- what a sandbox changed, and how complete its audit is (the grader's consistent point) -----

@@ -85,6 +85,8 @@ class Substrate(abc.ABC):
     #: snapshots are whole images the substrate makes (`snapshot_image`; docker: commit, save,
     #: import) instead of a writable layer the agent packs (`snapshot_dir`)
     snapshots_itself: ClassVar[bool] = False
+    #: snapshots may hold the processes' memory too (SnapshotRequest.memory)
+    snapshots_memory: ClassVar[bool] = False
 
     async def start(self) -> None:
         """Check prerequisites; raise with a clear message when this substrate cannot run here."""
