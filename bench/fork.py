@@ -116,13 +116,7 @@ def plot(res: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=7)
-    ap.add_argument("--snapshots", type=int, default=2)
-    ap.add_argument("--sizes", default="0,16,64,256")
-    ap.add_argument("--out", default=f"{REPO}/bench/results")
-    a = ap.parse_args()
+async def main_async(a: argparse.Namespace) -> None:
     data = tempfile.mkdtemp(prefix="crl-fork-", dir="/tmp")
     stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=IMAGE_DIR, monitor=False)
     await stack.start()
@@ -156,5 +150,14 @@ async def main() -> None:
     save(a.out, "fork", res, plot, goals)
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=7)
+    ap.add_argument("--snapshots", type=int, default=2)
+    ap.add_argument("--sizes", default="0,16,64,256")
+    ap.add_argument("--out", default=f"{REPO}/bench/results")
+    asyncio.run(main_async(ap.parse_args()))
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
