@@ -476,3 +476,35 @@ async def test_node_batch_request_answers_per_item(nc):
         for sid in (ids[0], ids[2]):
             await call(nc, subjects.sandbox_op(sid, "destroy"), {})
         await kv.delete(ids[3])
+
+
+async def test_a_placement_on_a_node_that_is_not_alive_is_not_taken_as_made(stack, client):
+    """A placement its lost node left behind (its delete did not land while the bucket failed over
+    with the host that died) names an item of a batch asked again: the batch must not answer that
+    item as made on a node that is not there (cc59: a settled batch named a sandbox nothing listed)."""
+    from corral_common.contract.messages import SandboxInfo, encoder
+
+    rid = f"ghost-{secrets.token_hex(4)}"
+    sid = item_id(rid, 0)
+    kv = await client.nc.jetstream().key_value(subjects.KV_PLACEMENTS)
+    now = time.time()
+    await kv.put(sid, encoder.encode(SandboxInfo(id=sid, node="ghost-node", state="running", substrate="container",
+                                                 image="busybox", created_at=now, expires_at=now + 600)))
+    try:
+        for _ in range(100):  # the scheduler's table has it (its watch of the bucket)
+            if sid in {s.id for s in await client.list()}:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the planted placement never reached the scheduler's table")
+        r = await client.create_batch_reply(3, request_id=rid, image="busybox", cpu=0.05, memory_mb=16)
+        try:
+            assert all(s.node != "ghost-node" for s in r.sandboxes), r.sandboxes
+            # its id is held by that placement: refused (never made twice), the other items made
+            assert [(f.index, f.code) for f in r.failed] == [(0, "conflict")], r.failed
+            assert len(r.sandboxes) == 2
+        finally:
+            for s in r.sandboxes:
+                await client.sandbox(s.id).destroy()
+    finally:
+        await kv.delete(sid)

@@ -242,13 +242,18 @@ class Batches:
             check_same_batch(rid, record, req.count, digest, spec)
             record = await self.records.settled(key, rid, record, req.count, digest, spec)
         failed_before = set(record.failed) if record is not None else set()
+        # a placement on a node that is not alive is not taken as made: its node may be lost with
+        # it, and its placement not deleted yet (the bucket failing over with the host that died:
+        # the lost loop deletes it again every second), or deleted already on the replica that
+        # declared the node lost while this one's table still shows it
+        alive = {s.hb.node for s in self.registry.alive()}
         todo: list[Item] = []
         for i, sid in enumerate(ids):
             info = self.placements.get(sid)
-            if info is not None:
+            if info is not None and info.node in alive:
                 results[i] = info
             elif record is not None and i not in failed_before:
-                results[i] = await self._gone_or_placed(sid, i)
+                results[i] = await self._gone_or_placed(sid, i, alive)
             else:
                 todo.append((i, sid))
         if todo:
@@ -280,10 +285,10 @@ class Batches:
             raise from_code(first.code, f"none of the {req.count} sandboxes could be created: {first.message}")
         return reply(batch_id, made, failed, limit=max(64 * 1024, (self.nc.max_payload or 1 << 20) - 1024))
 
-    async def _gone_or_placed(self, sid: str, index: int) -> SandboxInfo | CorralError:
-        """An item an earlier attempt made that this replica does not see placed (yet)."""
+    async def _gone_or_placed(self, sid: str, index: int, alive: set[str]) -> SandboxInfo | CorralError:
+        """An item an earlier attempt made that this replica does not see placed (yet) on a live node."""
         info = await self.placements.lookup(sid)
-        if info is not None:
+        if info is not None and info.node in alive:
             return info
         return NotFound(f"item {index} (sandbox {sid}) was made by an earlier attempt of this batch and is gone "
                         f"(destroyed, expired or its node lost); it is not made again")
@@ -435,6 +440,11 @@ class _Placing:
                     self._resolve(i, info)
                     made += 1
                     continue
+                if info is not None and info.node in self.b.registry.declared_lost:
+                    # left by its lost node (the lost loop's delete did not land yet): the next
+                    # round makes the item here or elsewhere
+                    with contextlib.suppress(Exception):  # the lost loop deletes it again within a second
+                        await self.b.placements.delete_lost(sid, info.node)
             if err.code in (Code.CAPACITY, Code.UNAVAILABLE, Code.CONFLICT):
                 if err.code == Code.CAPACITY:
                     self.refused.add(node)
