@@ -65,6 +65,19 @@ async def test_a_fork_starts_with_the_sources_files_and_goes_its_own_way(stack, 
         await src.destroy()
 
 
+async def test_a_fork_runs_its_commands_as_the_source_does(stack, client):
+    src = await client.create(image="busybox", cpu=0.3, memory_mb=96, env={"MODE": "src", "KEEP": "k"}, workdir="/work")
+    try:
+        fork = await src.fork(env={"MODE": "fork"})  # limits default to the source's
+        try:
+            assert (fork.info.cpu, fork.info.memory_mb) == (0.3, 96), fork.info
+            assert (await fork.exec("echo $MODE $KEEP; pwd")).stdout == "fork k\n/work\n"
+        finally:
+            await fork.destroy()
+    finally:
+        await src.destroy()
+
+
 async def test_a_fork_keeps_the_sources_protections(stack, client):
     src = await client.create(image="busybox", cpu=0.25, memory_mb=64, protected_paths=["/etc/passwd"],
                               canaries={"/root/.netrc": "machine x login y password canary\n"})

@@ -472,7 +472,12 @@ class AsyncSandbox:
     async def fork(self, *, timeout: float = 120.0, **kw: Any) -> AsyncSandbox:
         """A new sandbox on this one's node and image whose files start as a copy of this one's
         (frozen for the copy; its processes are not copied). `kw`: SandboxSpec fields for the
-        fork (cpu, memory_mb, disk_mb, ttl_s, labels, ...); its protections include this one's."""
+        fork (cpu, memory_mb, disk_mb, ttl_s, labels, ...); cpu and memory default to this one's,
+        and its protections, environment and workdir are this one's with `kw`'s added."""
+        if self.info.cpu > 0:
+            kw.setdefault("cpu", self.info.cpu)
+        if self.info.memory_mb > 0:
+            kw.setdefault("memory_mb", self.info.memory_mb)
         spec = SandboxSpec(fork_of=self.id, **kw)  # the scheduler gives it the source's substrate and image
         return await self.client.create_spec(spec, timeout=timeout)
 

@@ -36,12 +36,15 @@ CREATE_SECONDS = metrics.histogram(
 
 
 def fork_spec(source: SandboxSpec, spec: SandboxSpec) -> SandboxSpec:
-    """A fork's spec: the source's image, and its protections kept (its protected paths and
+    """A fork's spec: the source's image; its protections kept (its protected paths and
     canaries, which its copied files may hold, with the request's added; a fork must not be a
-    way to read what the source guards unwatched), its labels under the request's."""
+    way to read what the source guards unwatched); its environment, labels and workdir under
+    the request's, so its commands run as the source's would. Limits and network are the
+    request's (the SDK's fork() asks for the source's cpu and memory unless told otherwise)."""
     paths = list(dict.fromkeys([*source.protected_paths, *spec.protected_paths]))
     return msgspec.structs.replace(spec, image=source.image, protected_paths=paths, canaries={**source.canaries, **spec.canaries},
-                                   labels={**source.labels, **spec.labels})
+                                   labels={**source.labels, **spec.labels}, env={**source.env, **spec.env},
+                                   workdir=spec.workdir if spec.workdir not in ("", "/") else source.workdir)
 
 
 class Create:
