@@ -115,20 +115,41 @@ async def test_forks_refused_clearly_and_leave_nothing(stack, client):
         with pytest.raises(InvalidRequest, match="only a running sandbox can be forked"):
             await src.fork(cpu=0.25, memory_mb=64)
         await src.resume()
-        # a batch or a one-shot run does not fork
-        nc = client.nc
-        body = {"count": 2, "spec": {"fork_of": src.id, "cpu": 0.1, "memory_mb": 32}}
-        r = json.loads((await nc.request(subjects.SANDBOX_CREATE_BATCH, json.dumps(body).encode(), timeout=30)).data)
-        assert r["error"]["code"] == "invalid_request" and "one fork per create" in r["error"]["message"], r
+        # a one-shot run does not fork
         body = {"spec": {"fork_of": src.id}, "exec": {"cmd": "true"}}
-        r = json.loads((await nc.request(subjects.SANDBOX_RUN, json.dumps(body).encode(), timeout=30)).data)
-        assert r["error"]["code"] == "invalid_request" and "one fork per create" in r["error"]["message"], r
+        r = json.loads((await client.nc.request(subjects.SANDBOX_RUN, json.dumps(body).encode(), timeout=30)).data)
+        assert r["error"]["code"] == "invalid_request" and "cannot fork" in r["error"]["message"], r
         assert set(os.listdir(sandboxes_dir(stack, node))) == before
     finally:
         await src.destroy()
     # a destroyed sandbox is not found
     with pytest.raises(NotFound, match="to fork"):
         await client.create(fork_of=src.id, cpu=0.25, memory_mb=64)
+
+
+async def test_a_batch_of_forks_on_the_sources_node(stack, client):
+    """N branches of one sandbox in one request (a batch with fork_of), idempotent like any batch."""
+    src = await client.create(image="busybox", cpu=0.2, memory_mb=64)
+    try:
+        await src.exec("echo branch-point > /root/state")
+        rid = f"forks-{src.id}"
+        forks = await client.create_batch(3, fork_of=src.id, cpu=0.1, memory_mb=32, request_id=rid)
+        try:
+            assert len({f.id for f in forks}) == 3 and all(f.info.node == src.info.node for f in forks)
+            for f in forks:
+                assert f.info.labels.get(labels.FORK_OF) == src.id
+                assert (await f.exec("cat /root/state")).stdout == "branch-point\n"
+            await forks[0].exec("echo mine > /root/state")
+            assert (await forks[1].exec("cat /root/state")).stdout == "branch-point\n"
+            again = await client.create_batch(3, fork_of=src.id, cpu=0.1, memory_mb=32, request_id=rid)
+            assert [f.id for f in again] == [f.id for f in forks]  # asked again: the same forks, none more
+        finally:
+            for f in forks:
+                await f.destroy()
+    finally:
+        await src.destroy()
+    with pytest.raises(NotFound, match="to fork"):
+        await client.create_batch(2, fork_of=src.id, cpu=0.1, memory_mb=32)
 
 
 async def test_a_tenant_cannot_fork_anothers_sandbox(stack, client, two_tenants):  # noqa: F811

@@ -230,7 +230,7 @@ class Batches:
     async def on_create_batch(self, msg: Msg) -> bytes:
         req = bus.decode(msg.data, CreateBatchRequest)
         spec = req.spec = tenants.stamp(msg, req.spec)
-        placement.check_substrate(self.registry, spec, many=True)
+        placement.check_substrate(self.registry, spec)
         rid = spec.request_id
         batch_id = req.batch_id or (default_batch_id(rid) if rid else new_id("batch"))
         ids = [item_id(rid, i) for i in range(req.count)] if rid else [new_id() for _ in range(req.count)]
@@ -256,8 +256,12 @@ class Batches:
                 results[i] = await self._gone_or_placed(sid, i, alive)
             else:
                 todo.append((i, sid))
+        node = ""  # a batch of forks is made on its source's node (resolved only if there is work to do:
+        # a retry of a finished one answers from its record even once the source is gone)
+        if todo and spec.fork_of:
+            spec, node = await self.placements.fork_source(spec)
         if todo:
-            self._check_room(spec, len(todo))
+            self._check_room(spec, len(todo), node)
             if rid:
                 await self.records.start(key, rid, req.count, digest, spec)
             self.admission.admit(spec, len(todo))
@@ -270,7 +274,7 @@ class Batches:
         try:
             if todo:
                 async with self.records.lease(key, rid, req.count, digest) if rid else contextlib.nullcontext():
-                    await _Placing(self, spec, results, progress).run(todo)
+                    await _Placing(self, spec, results, progress, node).run(todo)
         finally:
             await progress.done()
         BATCH_SECONDS.observe(time.perf_counter() - t0)
@@ -293,9 +297,10 @@ class Batches:
         return NotFound(f"item {index} (sandbox {sid}) was made by an earlier attempt of this batch and is gone "
                         f"(destroyed, expired or its node lost); it is not made again")
 
-    def _check_room(self, spec: SandboxSpec, count: int) -> None:
-        """Refuse at once a batch the live nodes cannot hold, before anything is admitted or sent."""
-        alive = self.registry.alive()
+    def _check_room(self, spec: SandboxSpec, count: int, node: str) -> None:
+        """Refuse at once a batch the live nodes (`node` only, if named) cannot hold, before
+        anything is admitted or sent."""
+        alive = [s for s in self.registry.alive() if not node or s.hb.node == node]
         usable = [s for s in alive if spec.substrate in s.hb.substrates and not s.hot(self.policy)]
         free = [s.free(self.policy) for s in usable]
         free_cpu = sum(max(0.0, f[0]) for f in free)
@@ -317,9 +322,11 @@ class _Placing:
 
     ROUNDS = 3
 
-    def __init__(self, batches: Batches, spec: SandboxSpec, results: list[SandboxInfo | CorralError | None], progress: Progress):
+    def __init__(self, batches: Batches, spec: SandboxSpec, results: list[SandboxInfo | CorralError | None], progress: Progress,
+                 node: str = ""):
         self.b = batches
         self.spec = spec
+        self.node = node  # the only node it may go to ("": any; a batch of forks: its source's)
         self.results = results
         self.progress = progress
         self.refused: set[str] = set()  # nodes that said they have no room: not planned again
@@ -349,7 +356,7 @@ class _Placing:
     async def _round(self, pending: list[Item]) -> list[Item]:
         """Plan and send `pending`; the items to plan again."""
         spec, b = self.spec, self.b
-        alive = [s for s in b.registry.alive() if s.hb.node not in self.refused]
+        alive = [s for s in b.registry.alive() if s.hb.node not in self.refused and (not self.node or s.hb.node == self.node)]
         groups: list[tuple[NodeState, list[Item]]] = []
         pos = 0
         for st, k in plan(alive, spec, len(pending), b.policy):

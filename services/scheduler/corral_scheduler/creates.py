@@ -12,7 +12,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -23,7 +22,7 @@ from nats.js.kv import KeyValue
 from corral_common import bus, logs
 from corral_common.contract import subjects
 from corral_common.contract.envelope import decode_reply
-from corral_common.contract.errors import Code, CorralError, NotFound, Unavailable
+from corral_common.contract.errors import Code, CorralError, Unavailable
 from corral_common.contract.messages import NodeCreate, SandboxInfo, SandboxSpec, encoder, new_id
 from corral_common.contract.replies import NodeCreateReply, SandboxReply
 
@@ -66,22 +65,13 @@ class Creates:
         """Place one sandbox. With `reply_to`, the node that makes it may answer there itself."""
         node = ""
         if spec.fork_of:
-            spec, node = await self._fork_source(spec)
+            spec, node = await self.placements.fork_source(spec)
         placement.check_substrate(self.registry, spec)
         self.admission.admit(spec, 1)
         try:
             return await self._create(spec, reply_to, node)
         finally:
             self.admission.settle(spec)
-
-    async def _fork_source(self, spec: SandboxSpec) -> tuple[SandboxSpec, str]:
-        """A fork is made on its source's node, with its source's substrate and image (the node
-        checks the rest: running, not paused, forkable). Another tenant's sandbox is as unknown
-        as one that does not exist."""
-        src = await self.placements.lookup(spec.fork_of)
-        if src is None or src.state not in ("running", "paused") or (spec.tenant and src.tenant != spec.tenant):
-            raise NotFound(f"sandbox {spec.fork_of!r} (to fork) not found; it may have been destroyed")
-        return msgspec.structs.replace(spec, substrate=src.substrate, image=src.image), src.node
 
     async def _create(self, spec: SandboxSpec, reply_to: str, node: str) -> Placed:
         if not spec.request_id:

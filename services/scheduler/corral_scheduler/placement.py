@@ -81,12 +81,11 @@ def describe_room(nodes: list[NodeState], policy: Policy | None = None) -> str:
     return out
 
 
-def check_substrate(registry: Registry, spec: SandboxSpec, one_shot: bool = False, many: bool = False) -> None:
-    """Refuse, with what to use instead, a substrate no node offers or one this request cannot use
-    (`many`: a batch; a fork is one create)."""
-    if spec.fork_of and (one_shot or many):
-        raise InvalidRequest(f"fork_of is for {subjects.SANDBOX_CREATE}: one fork per create "
-                             f"({'a one-shot run' if one_shot else 'a batch'} cannot fork a sandbox)")
+def check_substrate(registry: Registry, spec: SandboxSpec, one_shot: bool = False) -> None:
+    """Refuse, with what to use instead, a substrate no node offers or one this request cannot use."""
+    if spec.fork_of and one_shot:
+        raise InvalidRequest(f"fork_of is for {subjects.SANDBOX_CREATE} and {subjects.SANDBOX_CREATE_BATCH}: "
+                             "a one-shot run cannot fork a sandbox")
     if spec.substrate in ONE_SHOT_SUBSTRATES and not one_shot:
         raise InvalidRequest(f"substrate {spec.substrate!r} is one-shot: send {{\"spec\", \"exec\"}} to {subjects.SANDBOX_RUN} "
                              f"(SDK client.run / client.call); for a sandbox that stays use 'container' or 'docker'")

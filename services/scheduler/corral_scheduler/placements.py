@@ -12,8 +12,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from corral_common import bus
-from corral_common.contract.errors import CorralError
-from corral_common.contract.messages import SandboxInfo
+from corral_common.contract.errors import CorralError, NotFound
+from corral_common.contract.messages import SandboxInfo, SandboxSpec
 
 from .quotas import JobTotals
 
@@ -88,6 +88,15 @@ class Placements:
             return _info_decoder.decode(e.value)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
+
+    async def fork_source(self, spec: SandboxSpec) -> tuple[SandboxSpec, str]:
+        """`spec` as a fork of `spec.fork_of` (its source's substrate and image) and the node it is
+        made on: its source's. The node checks the rest (running, not paused, forkable). Another
+        tenant's sandbox is as unknown as one that does not exist."""
+        src = await self.lookup(spec.fork_of)
+        if src is None or src.state not in ("running", "paused") or (spec.tenant and src.tenant != spec.tenant):
+            raise NotFound(f"sandbox {spec.fork_of!r} (to fork) not found; it may have been destroyed")
+        return msgspec.structs.replace(spec, substrate=src.substrate, image=src.image), src.node
 
     async def in_kv(self, sid: str) -> bool | None:
         """Whether the bucket holds `sid` (None: the bucket could not be read)."""
