@@ -140,9 +140,10 @@ def sandbox_create(
     labels = dict(kv.split("=", 1) for kv in label)
     c = _client()
     try:
-        if fork_of:
-            src = c.sandbox(fork_of)
-            sbs = [src.fork(cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels) for _ in range(count)]
+        if fork_of and count == 1:
+            sbs = [c.sandbox(fork_of).fork(cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels)]
+        elif fork_of:  # one batch: every fork on the source's node
+            sbs = c.create_batch(count, fork_of=fork_of, cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels)
         elif count == 1:
             sbs = [c.create(image=image, substrate=substrate, cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, job=job, labels=labels)]
         else:
