@@ -134,7 +134,7 @@ def sandbox_create(
     image: str = typer.Option("busybox"), substrate: str = typer.Option("container"), cpu: float = typer.Option(1.0),
     memory_mb: int = typer.Option(512), ttl_s: float = typer.Option(3600.0), job: str = typer.Option(""),
     label: list[str] = typer.Option([], help="key=value"), count: int = typer.Option(1),
-    fork_of: str = typer.Option("", help="fork this running sandbox: its files, on its node and image (one create per fork)"),
+    fork_of: str = typer.Option("", help="fork this running sandbox: its files, on its node and image (with --count N: one batch of N forks)"),
 ) -> None:
     """Create sandboxes and print their ids."""
     labels = dict(kv.split("=", 1) for kv in label)

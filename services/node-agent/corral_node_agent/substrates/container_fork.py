@@ -4,8 +4,9 @@ starts as a copy of the source's, taken while the source is frozen.
 Why a copy and not a shared sealed layer: the source keeps running on its own overlay, whose
 upper it writes in place (an overlay's layers cannot be changed under a mounted overlay, and a
 running container's root cannot be swapped), so anything the fork shared with it would change
-under the fork. The upper is on tmpfs, which has no reflinks; the copy is a kernel-side
-`cp -a` of what the source wrote, whiteouts, opaque-dir xattrs and owners included, into the
+under the fork. The upper is on tmpfs, which has no reflinks; the copy is a `cp -a` of what
+the source wrote, whiteouts, opaque-dir xattrs and owners included (zero-filled blocks left as
+holes: the fork's disk holds no more than the data), into the
 fork's own tmpfs before its overlay is mounted over it. It costs what the source wrote (about
 200 ms for 256 MiB here), not the image. Processes and memory are not copied (no CRIU on
 this kernel)."""
