@@ -77,10 +77,30 @@ class ContainerSandbox(StayingSandbox):
         self.io = f"{sdir}/io"
 
 
+#: tmpfs option for large folios: Linux 6.14+ backs writes that stay within a file's size with
+#: pages of up to 2 MiB, which made a fork's copy of 256 MiB ~2.5x faster here (120 -> 50 ms),
+#: and never takes more room than the data (small files keep 4 KiB pages). Kernels without
+#: transparent huge pages refuse the option (EINVAL): the first mount finds out
+LARGE_FOLIOS_OPT = ",huge=within_size"
+_large_folios: bool | None = None
+
+
 def mount_upper(sdir: str, disk_mb: int) -> str:
     """`sdir/rw`: a tmpfs of disk_mb holding the overlay's upper and work dirs. Returns the upper
     dir, which a fork fills before the overlay is mounted over it (mount_overlay)."""
-    linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={disk_mb}m,mode=755")
+    global _large_folios
+    opts = f"size={disk_mb}m,mode=755"
+    flags = linux.MS_NOSUID | linux.MS_NODEV
+    try:
+        linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", flags, opts + (LARGE_FOLIOS_OPT if _large_folios is not False else ""))
+    except OSError as e:
+        if e.errno != errno.EINVAL or _large_folios is not None:
+            raise
+        linux.mount("tmpfs", f"{sdir}/rw", "tmpfs", flags, opts)
+        _large_folios = False
+    else:
+        if _large_folios is None:
+            _large_folios = True
     os.mkdir(f"{sdir}/rw/upper", 0o755)
     os.mkdir(f"{sdir}/rw/work", 0o755)
     return f"{sdir}/rw/upper"
