@@ -5,10 +5,12 @@ the one-shot baselines a `function` call competes with, all in one run on the sa
              the command, the reply; teardown after the reply)
   container  `client.create` (returns when running) / `sb.exec(["true"])` / `sb.destroy()`
   docker     the same on substrate `docker` (aiodocker; image from `docker import` of the rootfs)
+  gvisor     the same on substrate `gvisor` (runsc, when installed; platform ptrace here)
   runc       bare `runc run` (foreground, not -d) of a `runc spec` bundle whose root is the busybox
              rootfs, running `true` (a fresh container id each time)
   bwrap      `bwrap --unshare-all --ro-bind ROOTFS / --proc /proc --dev /dev /bin/true`
   docker run `docker run --rm --network none IMAGE /bin/true`
+  runsc      bare `runsc run` of the same bundle as runc (gVisor, same platform as the node's)
 
 Latency is wall clock per call from the caller (perf_counter around the SDK call or around the CLI
 process, so baselines include one fork+exec of their CLI, which is how they are used).
@@ -18,7 +20,7 @@ process, so baselines include one fork+exec of their CLI, which is how they are 
   machine hits them alike. The goal is computed from these.
 * one-shot latency, back to back: `--n` calls of `function` with no pause (its prepared slots are
   refilled while the next calls arrive), and `--n` of bare `runc run`, also back to back.
-* container/docker: `--n` creates (kept), `--n` execs on the first, `--n` destroys.
+* container/docker/gvisor: `--n` creates (kept), `--n` execs on the first, `--n` destroys.
 * throughput: `--concurrency` workers doing one-shot cycles until `--cycles` are done: one `run`
   (function), create+exec+destroy (container, docker), one CLI call (runc, bwrap, docker run).
 
@@ -53,6 +55,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 IMAGE_DIR = os.environ.get("CORRAL_IMAGE_DIR", "/var/lib/corral/images")
 ROOTFS = f"{IMAGE_DIR}/busybox/rootfs"
+#: gVisor, when installed: the node's gvisor substrate and a bare `runsc run` baseline. ptrace is
+#: the platform this machine has (no systrap in Debian's runsc; KVM guests do not run here), the
+#: same the node's probe settles on
+RUNSC = shutil.which("runsc") or ""
+RUNSC_PLATFORM = os.environ.get("CORRAL_GVISOR_PLATFORM", "ptrace")
 GOAL = 1.5  # function call p50 / bare `runc run` p50
 
 
@@ -154,6 +161,17 @@ class Baselines:
             raise RuntimeError(f"runc run: {p.stderr.decode(errors='replace')[-300:]}")
         return ms
 
+    def runsc_run(self) -> float:
+        """`runsc run` of the same bundle (gVisor, the platform the node probes first that works here)."""
+        cid = self._id()
+        t0 = time.perf_counter()
+        p = subprocess.run([RUNSC, f"--platform={RUNSC_PLATFORM}", "--network=none", "--root", f"{self.root}-runsc", "run",
+                            "--bundle", self.bundle, cid], stdin=subprocess.DEVNULL, capture_output=True)
+        ms = (time.perf_counter() - t0) * 1000
+        if p.returncode != 0:
+            raise RuntimeError(f"runsc run: {p.stderr.decode(errors='replace')[-300:]}")
+        return ms
+
     def bwrap(self) -> float:
         t0 = time.perf_counter()
         p = subprocess.run(["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", ROOTFS, "/",
@@ -173,10 +191,11 @@ class Baselines:
         return ms
 
     def cleanup(self) -> None:
-        if os.path.isdir(self.root):
-            p = subprocess.run([self.runc, "--root", self.root, "list", "-q"], capture_output=True, text=True)
-            for cid in p.stdout.split():
-                subprocess.run([self.runc, "--root", self.root, "delete", "-f", cid], capture_output=True)
+        for runtime, root in ((self.runc, self.root), (RUNSC, f"{self.root}-runsc")):
+            if runtime and os.path.isdir(root):
+                p = subprocess.run([runtime, "--root", root, "list", "-quiet"], capture_output=True, text=True)
+                for cid in p.stdout.split():
+                    subprocess.run([runtime, "--root", root, "delete", "-force", cid], capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.docker_image:
             p = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=corral-bench-subst={self.run_id}"], capture_output=True, text=True)
@@ -287,9 +306,11 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
     from corral_sdk.stack import Stack, free_port
 
     data = tempfile.mkdtemp(prefix="crl-bsub-", dir="/tmp")
-    stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=IMAGE_DIR, docker=docker_image is not None)
+    stack = Stack(data_dir=data, nodes=1, nats_port=free_port(), image_dir=IMAGE_DIR, docker=docker_image is not None,
+                  gvisor=bool(RUNSC))
     log(f"starting the corral stack in {data} (substrates: {' '.join(stack.substrate_args()[1::2])})")
     systems = results["systems"]
+    failed = False
     try:
         await stack.start()
         client = await AsyncClient.connect(stack.url)
@@ -309,6 +330,8 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
             await fn_call()
             await loop.run_in_executor(None, base.runc_run)
             await loop.run_in_executor(None, base.bwrap)
+            if RUNSC:
+                await loop.run_in_executor(None, base.runsc_run)
             if docker_image:
                 await loop.run_in_executor(None, base.docker_run)
 
@@ -318,7 +341,9 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
         by_tier: dict[str, list[float]] = {"warm": [], "slot": [], "cold": []}
         if docker_image:
             oneshot["docker_run"] = []
-        calls = {"runc": base.runc_run, "bwrap": base.bwrap, "docker_run": base.docker_run}
+        if RUNSC:
+            oneshot["runsc"] = []
+        calls = {"runc": base.runc_run, "bwrap": base.bwrap, "docker_run": base.docker_run, "runsc": base.runsc_run}
         rng = random.Random(7)
         tiers0 = function_tiers(node_metrics)
         for _ in range(args.n):
@@ -345,6 +370,9 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
         if docker_image:
             systems["docker_run"] = {"what": f"docker run --rm --network none {docker_image} /bin/true",
                                      "run_interleaved": stats(oneshot["docker_run"])}
+        if RUNSC:
+            systems["runsc"] = {"what": f"runsc --platform={RUNSC_PLATFORM} run (foreground) of the same bundle, /bin/true",
+                                "run_interleaved": stats(oneshot["runsc"])}
 
         # ---- back to back
         log(f"one-shot latency: {args.n} back-to-back calls each of function and runc run")
@@ -358,7 +386,7 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
         systems["function"]["node_run_until_exit"] = node_histogram(node_metrics, "corral_run_seconds", "function")
 
         # ---- container / docker: create, exec, destroy
-        for sub, image in (("container", "busybox"), ("docker", docker_image)):
+        for sub, image in (("container", "busybox"), ("docker", docker_image), ("gvisor", "busybox" if RUNSC else None)):
             if image is None:
                 continue
             log(f"{sub}: {args.n} creates, execs, destroys")
@@ -404,16 +432,22 @@ async def bench_all(args, base: Baselines, docker_image: str | None, results: di
         systems["container"]["throughput"] = await async_throughput(cycle_of("container", "busybox"), c, cycles)
         if docker_image:
             systems["docker"]["throughput"] = await async_throughput(cycle_of("docker", docker_image), c, max(8, cycles // 3))
+        if RUNSC:
+            systems["gvisor"]["throughput"] = await async_throughput(cycle_of("gvisor", "busybox"), c, max(8, cycles // 3))
         systems["runc"]["throughput"] = await loop.run_in_executor(None, thread_throughput, base.runc_run, c, cycles)
         systems["bwrap"]["throughput"] = await loop.run_in_executor(None, thread_throughput, base.bwrap, c, cycles)
         if docker_image:
             systems["docker_run"]["throughput"] = await loop.run_in_executor(None, thread_throughput, base.docker_run, c, max(8, cycles // 3))
         await client.close()
+    except BaseException:
+        failed = True
+        raise
     finally:
         log("stopping the stack")
         await stack.stop()
         keep = os.path.join("/tmp", f"corral-bench-substrates-logs-{results['config']['run_id']}")
-        if any("error" in v for v in systems.values() if isinstance(v, dict)):
+        if failed or any("error" in v for v in systems.values() if isinstance(v, dict)):
+            log(f"the stack's logs are kept in {keep}")
             shutil.copytree(os.path.join(data, "logs"), keep, dirs_exist_ok=True)
         shutil.rmtree(data, ignore_errors=True)
 
@@ -467,12 +501,16 @@ def plot(results: dict[str, Any], path: str) -> None:
         ("runc run", "runc", "run_interleaved", "#e08a2c"),
         ("bwrap", "bwrap", "run_interleaved", "#9b59b6"),
         ("docker run --rm", "docker_run", "run_interleaved", "#5a9e4b"),
+        ("runsc run", "runsc", "run_interleaved", "#b03a2e"),
         ("container\ncreate", "container", "create", "#1f4e79"),
         ("container\nexec", "container", "exec", "#1f4e79"),
         ("container\ndestroy", "container", "destroy", "#1f4e79"),
         ("docker\ncreate", "docker", "create", "#2e6b2a"),
         ("docker\nexec", "docker", "exec", "#2e6b2a"),
         ("docker\ndestroy", "docker", "destroy", "#2e6b2a"),
+        ("gvisor\ncreate", "gvisor", "create", "#7b241c"),
+        ("gvisor\nexec", "gvisor", "exec", "#7b241c"),
+        ("gvisor\ndestroy", "gvisor", "destroy", "#7b241c"),
     ):
         st = s.get(sysname, {})
         for k in (key if isinstance(key, tuple) else (key,)):
@@ -494,7 +532,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     g = next(g for g in results["goals"] if g["name"] == "function_call_p50_vs_runc_run")
     ax1.set_title(f"latency: function call p50 = {g['value']}x bare runc run (goal <= {GOAL}x, "
                   f"{'met' if g['met'] else 'NOT met'})", fontsize=10)
-    tp = [(name, s[name]["throughput"]["per_s"]) for name in ("function", "runc", "bwrap", "docker_run", "container", "docker")
+    tp = [(name, s[name]["throughput"]["per_s"]) for name in ("function", "runc", "bwrap", "docker_run", "runsc", "container", "docker", "gvisor")
           if s.get(name, {}).get("throughput", {}).get("per_s")]
     ax2.barh([t[0] for t in tp], [t[1] for t in tp], color="#888")
     for i, (_, v) in enumerate(tp):

@@ -37,10 +37,10 @@ def mounts_under(prefix: str) -> list[str]:
         return [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
 
 
-def runc_containers(runc_root: str) -> list[str]:
+def runc_containers(runc_root: str, runtime: str = "runc") -> list[str]:
     if not os.path.isdir(runc_root):
         return []
-    p = subprocess.run(["runc", "--root", runc_root, "list", "-q"], capture_output=True, text=True)
+    p = subprocess.run([runtime, "--root", runc_root, "list", "-quiet"], capture_output=True, text=True)
     return [x for x in p.stdout.split() if x]
 
 
@@ -96,14 +96,26 @@ def inits_of_node(data_dir: str, node: str) -> list[int]:
     return out
 
 
+def _entries(d: str) -> list[str]:
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
 def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
+    """What the node's sandboxes left: the container substrate's (and the function substrate's,
+    which shares its cgroup parent) and, where the node ran it, the gvisor substrate's."""
     state = f"{data_dir}/nodes/{node}"
     sdir = f"{state}/sandboxes"
+    gdir = f"{state}/gvisor"
+    gparent = f"{state}/cgroup-parent-gvisor"
+    gcgroups: list[str] = []
+    if os.path.exists(gparent):
+        with open(gparent) as f:
+            gcgroups = cgroups_under(f.read().strip())
     return {
-        "sandbox_dirs": sorted(os.listdir(sdir)) if os.path.isdir(sdir) else [],
+        "sandbox_dirs": _entries(sdir) + _entries(gdir),
         "mounts": mounts_under(state + "/"),
-        "cgroups": cgroups_under(cgroup_parent(data_dir, node)),
-        "runc": runc_containers(f"{state}/runc"),
+        "cgroups": cgroups_under(cgroup_parent(data_dir, node)) + gcgroups,
+        "runc": runc_containers(f"{state}/runc") + runc_containers(f"{state}/runsc", "runsc"),
         "uid_ranges": uid_ranges_of(sdir),
     }
 

@@ -63,6 +63,7 @@ def up(
     image_dir: str = typer.Option(None, help="image store (default <data-dir>/images)"),
     metrics_port: int = typer.Option(0, help="first metrics port (0: free ports)"),
     docker: bool = typer.Option(False, "--docker", help="also offer the docker substrate (needs a running dockerd)"),
+    gvisor: bool = typer.Option(False, "--gvisor", help="also offer the gvisor substrate (gVisor's runsc)"),
     warm_pool: list[str] = typer.Option([], "--warm-pool", help="IMAGE=COUNT frozen sandboxes each node keeps ready for creates "
                                                                 "to claim (repeatable), e.g. --warm-pool busybox=4"),
     gateway_port: int = typer.Option(None, help="also serve the SandboxFusion API (`corral gateway`) on this port"),
@@ -88,7 +89,7 @@ def up(
         console.print(f"[red]--hosts {hosts}:[/red] 3 or more, each running its own nats-server (not with --nats)")
         raise typer.Exit(2)
     stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats, cluster=cluster, hosts=hosts,
-                  image_dir=image_dir, metrics_port=metrics_port, docker=docker,
+                  image_dir=image_dir, metrics_port=metrics_port, docker=docker, gvisor=gvisor,
                   node_args=[a for w in warm_pool for a in ("--warm-pool", w)], gateway_port=gateway_port)
 
     async def run(stop: asyncio.Event) -> None:

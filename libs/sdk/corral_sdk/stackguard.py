@@ -24,6 +24,7 @@ so a pid reused after a process exited is never signalled."""
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import select
 import shutil
@@ -62,14 +63,18 @@ def sweep_cgroups(data_dir: str, nodes: int) -> None:
 
 def sweep_node_cgroups(data_dir: str, node: str) -> None:
     """Kill every process in one node's cgroups and remove them (also: a host of the stack dying)."""
-    try:
-        with open(os.path.join(data_dir, "nodes", node, "cgroup-parent")) as f:
-            parent = f.read().strip().strip("/")
-    except OSError:
+    parents = []
+    # "cgroup-parent" (container and function sandboxes), "cgroup-parent-gvisor", ...
+    for path in glob.glob(os.path.join(data_dir, "nodes", node, "cgroup-parent*")):
+        try:
+            with open(path) as f:
+                parents.append(f.read().strip().strip("/"))
+        except OSError:
+            continue
+    tops = [d for parent in parents if parent
+            for d in (os.path.join("/sys/fs/cgroup", h, parent) for h in os.listdir("/sys/fs/cgroup")) if os.path.isdir(d)]
+    if not tops:
         return
-    if not parent:
-        return
-    tops = [d for d in (os.path.join("/sys/fs/cgroup", h, parent) for h in os.listdir("/sys/fs/cgroup")) if os.path.isdir(d)]
     for top in tops:
         for d, _, _ in os.walk(top):
             if os.path.exists(f"{d}/freezer.state"):

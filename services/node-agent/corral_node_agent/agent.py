@@ -183,10 +183,11 @@ class NodeAgent:
             await sub.close()
         if not self.cfg.keep_sandboxes_on_exit:
             await self.layers.close()
-            parent = getattr(table.substrates.get("container"), "cgroup_parent", "")
-            if parent and not table.sandboxes:
-                # nothing of a node that stopped for good stays on its host: its cgroup parent neither
-                await asyncio.to_thread(cgroups.remove_parent, parent)
+            parents = {sub.cgroup_parent for sub in table.substrates.values()} - {""}
+            if not table.sandboxes:
+                # nothing of a node that stopped for good stays on its host: its cgroup parents neither
+                for parent in sorted(parents):
+                    await asyncio.to_thread(cgroups.remove_parent, parent)
         await self.audit.close()  # kept sandboxes: their last execs' limits are reported first
         try:
             await self.nc.drain()

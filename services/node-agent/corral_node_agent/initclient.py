@@ -33,8 +33,9 @@ class Spawned:
         self.sock.close()
 
 
-def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int, harness: bool = False) -> bytes:
-    tokens = ["3" if harness else "1", str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items()), cwd, str(ncgroups)]
+def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int, harness: bool = False,
+                   token: str = "") -> bytes:
+    tokens = [*([token] if token else []), "3" if harness else "1", str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items()), cwd, str(ncgroups)]
     for t in tokens:
         if "\0" in t:
             raise ValueError("arguments, environment and cwd must not contain NUL bytes")
@@ -43,9 +44,10 @@ def encode_request(argv: list[str], env: dict[str, str], cwd: str, ncgroups: int
 
 
 async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int],
-                cgroup_fds: list[int], timeout: float = 10.0, harness: bool = False) -> Spawned:
-    """Start argv in the sandbox: as its root without capabilities, or as oci.HARNESS_ID when `harness`."""
-    payload = encode_request(argv, env, cwd, len(cgroup_fds), harness)
+                cgroup_fds: list[int], timeout: float = 10.0, harness: bool = False, token: str = "") -> Spawned:
+    """Start argv in the sandbox: as its root without capabilities, or as oci.HARNESS_ID when `harness`.
+    `token`: the secret an init started with --listen asks of every request (gVisor)."""
+    payload = encode_request(argv, env, cwd, len(cgroup_fds), harness, token)
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -70,10 +72,20 @@ async def spawn(ctl_path: str, argv: list[str], env: dict[str, str], cwd: str, s
     return Spawned(sock, pid)
 
 
-async def ping(ctl_path: str, timeout: float = 30.0) -> None:
+async def ping(ctl_path: str, timeout: float = 30.0, token: str = "") -> None:
     """Wait until the sandbox's init has exec'd and answers (create waits for this: ready means
     ready, not merely "runc returned")."""
-    await _ask(ctl_path, b"1\x000\x00", [], timeout, "did not answer", "gave an unexpected ping reply")
+    await _ask(ctl_path, _authed(token, b"1\x000\x00"), [], timeout, "did not answer", "gave an unexpected ping reply")
+
+
+async def kill_group(ctl_path: str, pid: int, token: str = "", timeout: float = 10.0) -> None:
+    """SIGKILL the process group (session) of `pid`, a process init started: how a timeout ends an
+    exec's tree where there are no exec cgroups (gVisor). InitError if it was not init's child."""
+    await _ask(ctl_path, _authed(token, f"4\x00{pid}\x00".encode()), [], timeout, "did not answer", f"did not kill {pid}")
+
+
+def _authed(token: str, payload: bytes) -> bytes:
+    return (token.encode() + b"\x00" + payload) if token else payload
 
 
 async def hold(ctl_path: str, fd: int, timeout: float = 10.0) -> None:

@@ -12,8 +12,8 @@ from msgspec import Meta, Struct
 
 from .envelope import ErrorBody, Reply
 
-SUBSTRATES = ("container", "function", "docker", "microvm", "vm")
-Substrate = Literal["container", "function", "docker", "microvm", "vm"]
+SUBSTRATES = ("container", "function", "docker", "gvisor", "microvm", "vm")
+Substrate = Literal["container", "function", "docker", "gvisor", "microvm", "vm"]
 SandboxState = Literal["creating", "running", "paused", "exited", "destroyed", "failed"]
 
 Name = Annotated[str, Meta(min_length=1, max_length=256)]

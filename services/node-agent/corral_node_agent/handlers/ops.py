@@ -158,8 +158,8 @@ class SandboxOps:
     async def _snapshot(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SnapshotReply:
         req = bus.decode(msg.data, SnapshotRequest)
         if req.memory and not sub.snapshots_memory:
-            raise InvalidRequest(f"substrate {sub.name!r} cannot snapshot memory: a container's processes cannot be saved "
-                                 "(no CRIU on this kernel); snapshot its files (memory: false), or fork it (fork_of)")
+            raise InvalidRequest(f"substrate {sub.name!r} cannot snapshot memory: {sub.memory_snapshot_gap}; "
+                                 "snapshot its files (memory: false), or fork it (fork_of)")
         image, layer, uploaded = await self.snapshots.take(sb, sub, req.name, req.labels)
         return SnapshotReply(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
 

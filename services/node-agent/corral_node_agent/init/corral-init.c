@@ -31,6 +31,17 @@
  *             one fd is a hold (see fd 6 above): the reply is u32 1 once it is kept.
  *   replies:  u32 pid (as seen inside the sandbox) once the child is forked, or 0 on failure;
  *             then i32 wait status when the child exits; then the connection is closed.
+ * Under gVisor (the `gvisor` substrate: runsc passes no fds) init is started as
+ *   corral-init --listen PATH TOKENFILE
+ * and makes the listening socket itself at PATH, a path in a host directory bind-mounted into the
+ * sandbox (runsc --host-uds=create), so the socket is a host socket the node-agent connects to.
+ * The sandbox's own processes see that path, but gVisor lets them connect to no host socket
+ * (--host-uds=create allows only making one), and the node-agent moves it out of the directory
+ * (a hard link elsewhere, then unlink) before anything else runs. As a second lock, every
+ * request's payload starts with a secret token, read from TOKENFILE (written by the node-agent)
+ * and unlinked at start. There are no exec cgroups there (ncgroup is 0); instead a payload "4", pid
+ * kills the process group (= session: every child calls setsid) of a child init started, which
+ * is how a timeout ends an exec's tree. Reply u32 1 if it was init's child.
  * The child moves itself into the per-exec cgroups by writing "0" to the cgroup.procs fds the
  * node-agent opened on the host, so the node-agent can later freeze and kill exactly the processes
  * this exec started, however they daemonise.
@@ -49,6 +60,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <grp.h>
 #include <linux/capability.h>
@@ -60,6 +72,9 @@
 #define MAX_FDS 16
 #define MAX_PAYLOAD (4 * 1024 * 1024)
 #define HARNESS_ID 64222 /* uid and gid of harness commands (services/node-agent .../oci.py HARNESS_ID) */
+
+#define TOKEN_MAX 64
+static char token[TOKEN_MAX + 1]; /* empty: no token asked (runc: the socket is outside the sandbox) */
 
 struct child { pid_t pid; int conn; };
 static struct child *children;
@@ -150,13 +165,31 @@ static void spawn(int conn) {
     payload = malloc(len + 1);
     if (!payload || read_full(conn, payload, len) < 0) goto fail;
     payload[len] = 0;
-    if (nfds == 0 && len == 4 && memcmp(payload, "1\0" "0\0", 4) == 0) {
+    char *body = payload;
+    if (token[0]) {
+        size_t tl = strlen(token);
+        if (len < tl + 1 || memcmp(payload, token, tl + 1) != 0) goto fail;
+        body += tl + 1;
+        len -= (uint32_t)(tl + 1);
+    }
+    if (nfds == 0 && len >= 2 && memcmp(body, "4\0", 2) == 0) {
+        /* kill the process group of one of our children (gVisor: no exec cgroups) */
+        long victim = strtol(body + 2, NULL, 10);
+        int ours = 0;
+        for (size_t i = 0; i < nchildren; i++) ours |= victim > 1 && children[i].pid == victim;
+        if (ours) { kill(-(pid_t)victim, SIGKILL); kill((pid_t)victim, SIGKILL); }
+        free(payload);
+        reply_u32(conn, ours ? 1 : 0);
+        close(conn);
+        return;
+    }
+    if (nfds == 0 && len == 4 && memcmp(body, "1\0" "0\0", 4) == 0) {
         free(payload);
         reply_u32(conn, 1);
         close(conn);
         return;
     }
-    if (nfds == 1 && len == 2 && memcmp(payload, "2\0", 2) == 0) {
+    if (nfds == 1 && len == 2 && memcmp(body, "2\0", 2) == 0) {
         /* hold: keep this fd (the sandbox's seccomp notify fd) as NOTIFY_FD, replacing any */
         int ok = dup3(fds[0], NOTIFY_FD, O_CLOEXEC) == NOTIFY_FD;
         close(fds[0]);
@@ -167,7 +200,7 @@ static void spawn(int conn) {
     }
     if (nfds < 3) goto fail;
     /* tokenise */
-    char *p = payload, *end = payload + len;
+    char *p = body, *end = body + len;
 #define NEXT() ({ char *_t = p; if (p >= end) goto fail; p += strlen(p) + 1; _t; })
     char *kind = NEXT();
     int harness = strcmp(kind, "3") == 0;
@@ -244,10 +277,29 @@ static int lower_limits(void) {
     return setrlimit(RLIMIT_NOFILE, &nofile);
 }
 
-int main(void) {
+/* gVisor: the token from `file` (then unlinked), and the listening socket at `path` as LISTEN_FD */
+static int listen_at(const char *path, const char *file) {
+    int t = open(file, O_RDONLY | O_CLOEXEC);
+    if (t < 0) return -1;
+    ssize_t n = read(t, token, TOKEN_MAX);
+    close(t);
+    if (n < 16 || unlink(file) != 0) return -1;
+    token[n] = 0;
+    if (strlen(token) != (size_t)n) return -1;
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof a.sun_path) return -1;
+    strcpy(a.sun_path, path);
+    int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof a) != 0 || listen(l, 256) != 0) return -1;
+    if (l != LISTEN_FD && (dup3(l, LISTEN_FD, O_CLOEXEC) != LISTEN_FD || close(l) != 0)) return -1;
+    return 0;
+}
+
+int main(int argc, char **argv) {
     /* keep /proc/1/fd and /proc/1/mem out of reach of the sandbox's own (capability-less) root */
     prctl(PR_SET_DUMPABLE, 0);
     if (lower_limits() != 0) return 111;
+    if (argc == 4 && strcmp(argv[1], "--listen") == 0 && listen_at(argv[2], argv[3]) != 0) return 113;
     for (int fd = LISTEN_FD; fd <= HELD_FD_LAST; fd++) fcntl(fd, F_SETFD, FD_CLOEXEC);
     /* a placeholder keeps NOTIFY_FD's number from the fds opened below (a hold replaces it) */
     int ph = open("/dev/null", O_RDONLY | O_CLOEXEC);

@@ -5,11 +5,13 @@ from .base import Substrate
 from .container import ContainerSubstrate
 from .docker import DockerSubstrate
 from .function import FunctionSubstrate
+from .gvisor import GvisorSubstrate
 
 REGISTRY: dict[str, type[Substrate]] = {
     ContainerSubstrate.name: ContainerSubstrate,
     FunctionSubstrate.name: FunctionSubstrate,
     DockerSubstrate.name: DockerSubstrate,
+    GvisorSubstrate.name: GvisorSubstrate,
 }
 
 __all__ = ["REGISTRY", "Substrate"]

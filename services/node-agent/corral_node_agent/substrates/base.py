@@ -86,7 +86,11 @@ class Substrate(abc.ABC):
     #: import) instead of a writable layer the agent packs (`snapshot_dir`)
     snapshots_itself: ClassVar[bool] = False
     #: snapshots may hold the processes' memory too (SnapshotRequest.memory)
+    #: the host cgroup its sandboxes are made under ('' none of its own); removed when the node stops for good
+    cgroup_parent: str = ""
     snapshots_memory: ClassVar[bool] = False
+    #: why not, for the error a `memory: true` snapshot gets
+    memory_snapshot_gap: ClassVar[str] = "a container's processes cannot be saved (no CRIU on this kernel)"
 
     async def start(self) -> None:
         """Check prerequisites; raise with a clear message when this substrate cannot run here."""

@@ -52,6 +52,27 @@ class StayingSandbox(Sandbox):
         # host uid of the sandbox's root (its user namespace's range, userns.py); 0: host root
         self.uid_base = 0
 
+    # An exec's processes form a group the agent can kill as one (a timeout, a session's end):
+    # by default a child cgroup of the sandbox's, which the exec's first process joins before
+    # it runs anything. A substrate whose processes are not host processes overrides these four.
+
+    def open_exec_group(self, name: str) -> list[int]:
+        """Make group `name`; the fds its first process uses to join it."""
+        assert self.cg is not None
+        return self.cg.make_exec_group(name)
+
+    def exec_started(self, name: str, pid: int) -> None:
+        """Group `name`'s first process is `pid` (as the sandbox sees it)."""
+
+    async def kill_exec_group(self, name: str) -> None:
+        assert self.cg is not None
+        await asyncio.to_thread(self.cg.kill_group, name)
+
+    def close_exec_group(self, name: str) -> bool:
+        """Forget group `name`; False while processes of it still run (it lingers)."""
+        assert self.cg is not None
+        return self.cg.remove_group(name)
+
 
 def make_io_dir(path: str, uid_base: int = 0) -> None:
     """The sandbox's io dir, owned by the harness uid with mode 0711: the agent (root without
@@ -184,7 +205,7 @@ async def session_exec(sb: StayingSandbox, req: ExecRequest, on_chunk: ChunkCall
         oom_before = cg.oom_kills()
 
         async def kill() -> None:
-            await asyncio.to_thread(cg.kill_group, session.group)
+            await sb.kill_exec_group(session.group)
 
         try:
             res = await session.run(f"{IO_MOUNT}/{script}", stdin_path, req.cwd, dict(req.env), req.timeout_s,
@@ -196,7 +217,7 @@ async def session_exec(sb: StayingSandbox, req: ExecRequest, on_chunk: ChunkCall
         oom = res.ended and cg.oom_kills() > oom_before
         if res.ended:
             end(req.session)
-            cg.remove_group(session.group)
+            sb.close_exec_group(session.group)
         stderr = result_stderr(res.stderr.decode("utf-8", errors="replace"), sb.spec, req, oom, res.timed_out)
         return ExecResult(exit_code=res.exit_code, stdout=res.stdout.decode("utf-8", errors="replace"), stderr=stderr,
                           duration_ms=(time.perf_counter() - t0) * 1000, timed_out=res.timed_out,

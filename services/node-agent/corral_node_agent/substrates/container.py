@@ -541,6 +541,9 @@ class ContainerSubstrate(Substrate):
             report.notes.append(f"unmounted {len(removed)} unused layer mount(s)")
         return adopted, report
 
+    def _adopted(self, rec: Record, sdir: str, cg: cgroups.Cgroups, init_pid: int) -> ContainerSandbox:
+        return ContainerSandbox(rec.info, rec.spec, sdir, cg, init_pid, rec.layers)
+
     def _reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
         report = AdoptReport()
         adopted: list[Sandbox] = []
@@ -558,7 +561,7 @@ class ContainerSubstrate(Substrate):
             rec = load_record(f"{sdir}/sandbox.json", Record)
             st = runc_states.get(sid)
             if rec is not None and st is not None and st.get("status") in ("running", "paused") and init_responsive(f"{sdir}/ctl.sock", st.get("status") == "paused"):
-                sb = ContainerSandbox(rec.info, rec.spec, sdir, cg, int(st.get("pid") or rec.init_pid), rec.layers)
+                sb = self._adopted(rec, sdir, cg, int(st.get("pid") or rec.init_pid))
                 sb.paused = st.get("status") == "paused"
                 sb.uid_base = userns.read_base(sdir)
                 adopt_exec_groups(cg, sb.lingering)

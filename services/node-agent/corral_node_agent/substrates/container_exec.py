@@ -38,22 +38,24 @@ async def exec_in(sb: ContainerSandbox, req: ExecRequest, on_chunk: ChunkCallbac
     group = f"x{sb.epoch}-{next(sb.seq)}"
     t0 = time.perf_counter()
     oom_before = sb.cg.oom_kills()
-    cg_fds = sb.cg.make_exec_group(group)
+    cg_fds = sb.open_exec_group(group)
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     child_fds = [in_r, out_w, err_w, *cg_fds]
     try:
-        spawned = await initclient.spawn(sb.ctl, argv, env, cwd, (in_r, out_w, err_w), cg_fds, harness=req.harness)
+        spawned = await initclient.spawn(sb.ctl, argv, env, cwd, (in_r, out_w, err_w), cg_fds, harness=req.harness,
+                                         token=sb.init_token)
     except (initclient.InitError, ValueError) as e:
         for fd in (*child_fds, in_w, out_r, err_r):
             os.close(fd)
-        sb.cg.remove_group(group)
+        sb.close_exec_group(group)
         if isinstance(e, ValueError):
             raise InvalidRequest(str(e)) from None
         raise Unavailable(f"sandbox {sb.id} is not accepting commands: {e}") from None
     for fd in child_fds:
         os.close(fd)
+    sb.exec_started(group, spawned.pid)
     reader = PipeReader({"stdout": out_r, "stderr": err_r}, req.max_output_bytes, on_chunk)
     feeder = asyncio.create_task(feed(in_w, req.stdin.encode()))
     wait = asyncio.ensure_future(spawned.wait())
@@ -62,7 +64,7 @@ async def exec_in(sb: ContainerSandbox, req: ExecRequest, on_chunk: ChunkCallbac
         status = await asyncio.wait_for(asyncio.shield(wait), req.timeout_s)
     except TimeoutError:
         timed_out = True
-        await asyncio.to_thread(sb.cg.kill_group, group)
+        await sb.kill_exec_group(group)
         try:
             status = await asyncio.wait_for(wait, 10)
         except (TimeoutError, initclient.InitError):
@@ -70,13 +72,16 @@ async def exec_in(sb: ContainerSandbox, req: ExecRequest, on_chunk: ChunkCallbac
     except initclient.InitError as e:
         reader.drain()
         feeder.cancel()
-        raise Unavailable(f"sandbox {sb.id} went away during exec: {e}") from None
+        if sb.cg.oom_kills() > oom_before:  # the whole sandbox ran out of memory (gvisor: the Sentry)
+            status = signal.SIGKILL
+        else:
+            raise Unavailable(f"sandbox {sb.id} went away during exec: {e}") from None
     finally:
         if not wait.done():
             wait.cancel()
     await reader.finish(grace=0.05)
     feeder.cancel()
-    if not sb.cg.remove_group(group):
+    if not sb.close_exec_group(group):
         sb.lingering.add(group)  # background processes still running; swept on destroy
     code, sig = exit_code(status)
     oom = sig == signal.SIGKILL and sb.cg.oom_kills() > oom_before
@@ -92,13 +97,13 @@ async def start_session(sb: ContainerSandbox, name: str, env: dict[str, str], sh
     """A session's shell (`/bin/sh` or `/bin/bash`), forked by init into its own exec cgroup, stdio through pipes;
     a harness session's shell runs as oci.HARNESS_ID, out of the agent's reach."""
     group = f"s{sb.epoch}-{name}-{next(sb.seq)}"
-    cg_fds = sb.cg.make_exec_group(group)
+    cg_fds = sb.open_exec_group(group)
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
         spawned = await initclient.spawn(sb.ctl, [SHELLS[shell]], env, sb.spec.workdir or "/", (in_r, out_w, err_w), cg_fds,
-                                         harness=harness)
+                                         harness=harness, token=sb.init_token)
     except initclient.InitError as e:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
@@ -106,6 +111,7 @@ async def start_session(sb: ContainerSandbox, name: str, env: dict[str, str], sh
     finally:
         for fd in (in_r, out_w, err_w, *cg_fds):
             os.close(fd)
+    sb.exec_started(group, spawned.pid)
     return Session(name, group, in_w, out_r, err_r, spawned.wait(), shell, harness)
 
 

@@ -61,6 +61,7 @@ class ContainerSandbox(StayingSandbox):
         self.unsettled = False  # claimed, and runc's state, config.json and the record still name warm_id
         self.rebase(sdir)
         self.init_pid = init_pid
+        self.init_token = ""  # what init asks of every request: none, its socket is outside the sandbox
         # the sandbox's filesystems, through the clones its init holds (see the module docstring)
         self.rootfs = f"/proc/{init_pid}/fd/{INIT_ROOT_FD}"
         self.rw = f"/proc/{init_pid}/fd/{INIT_RW_FD}"

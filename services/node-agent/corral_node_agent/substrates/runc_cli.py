@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import select
+import shutil
 import subprocess
 
 from corral_common.contract.errors import Code, CorralError, Internal
@@ -18,7 +19,8 @@ async def run_detached(runc: str, root: str, sid: str, sdir: str, fds: list[int]
     # overwrite a source not yet moved: move every source above the targets first
     top = 3 + len(fds)
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) if fd < top else fd for fd in fds]
-    argv = [runc, "--root", root, "run", "-d", "--preserve-fds", str(len(fds)),
+    # (long flags only, and none for no fds: runsc takes this command line too, gvisor.py)
+    argv = [runc, "--root", root, "run", "--detach", *(("--preserve-fds", str(len(fds))) if fds else ()),
             "--pid-file", f"{sdir}/init.pid", "--bundle", sdir, sid]
     try:
         pid = os.posix_spawn(runc, argv, os.environ, file_actions=[
@@ -96,7 +98,15 @@ def log_tail(path: str, n: int = 2000) -> str:
         return "(no log)"
 
 
+#: a delete that takes longer is stuck (runsc waiting on a Sandbox that crashed): its state is
+#: removed by the caller's rmtree of the runtime's dir for the id, processes by the cgroup sweep
+DELETE_TIMEOUT_S = 20.0
+
+
 def delete(runc: str, root: str, sid: str) -> None:
     """`runc delete --force`: whatever runc still keeps of `sid` (state, a stopped container)."""
-    subprocess.run([runc, "--root", root, "delete", "--force", sid],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    try:
+        subprocess.run([runc, "--root", root, "delete", "--force", sid],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=DELETE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(f"{root}/{sid}", ignore_errors=True)
