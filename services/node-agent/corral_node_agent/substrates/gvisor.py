@@ -11,7 +11,8 @@ What differs from `container`, and why:
   directory before anything else runs, and a secret token in every request is a second lock
   (init/corral-init.c).
 - gVisor's tasks are not host processes: no exec cgroups. An exec's processes are its process
-  group (init setsid()s every child), killed through init (GvisorSandbox).
+  group (init setsid()s every child), killed through init (GvisorSandbox); a process that starts
+  a session of its own leaves the group, so a timeout does not reach it (it ends with the sandbox).
 - The root stays mounted on the host (the files API, snapshots and forks use it), read by gVisor
   with --file-access=shared so that host-side writes show inside.
 - No user namespace of ours (the sandbox's uid 0 is the Sentry's, and the Sentry runs
@@ -218,7 +219,8 @@ class GvisorSubstrate(ContainerSubstrate):
         deadline = loop.time() + SOCKET_WAIT_S
         while not os.path.exists(made):
             if loop.time() > deadline:
-                raise Internal(f"sandbox {sid}'s init made no control socket in {SOCKET_WAIT_S:g}s; {self._state(sid, sdir)}")
+                state = await asyncio.to_thread(self._state, sid, sdir)
+                raise Internal(f"sandbox {sid}'s init made no control socket in {SOCKET_WAIT_S:g}s; {state}")
             await asyncio.sleep(0.005)
         os.link(made, f"{sdir}/ctl.sock")
 
@@ -233,7 +235,8 @@ class GvisorSubstrate(ContainerSubstrate):
                 return
             except initclient.InitError as e:
                 if not isinstance(e.__cause__, ConnectionRefusedError) or loop.time() > deadline:
-                    raise Internal(f"sandbox {sid} started but its init does not answer ({e}); {self._state(sid, sdir)}") from None
+                    state = await asyncio.to_thread(self._state, sid, sdir)
+                    raise Internal(f"sandbox {sid} started but its init does not answer ({e}); {state}") from None
             await asyncio.sleep(0.005)
 
     def _state(self, sid: str, sdir: str) -> str:
