@@ -17,6 +17,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -396,6 +397,30 @@ async def test_pids_limit(env, substrate):
         if t.substrate != "function":
             await t.exec(f"pkill -f 'sleep {tok}'; true")
         assert subprocess.run(["true"]).returncode == 0
+
+
+async def test_gvisor_init_channel_is_out_of_the_sandboxes_reach(gvisor_stack):
+    """Under gVisor init's control socket is a host socket in a directory the sandbox sees: by the
+    first exec it has been moved out and the token file is gone, and nothing inside can connect to
+    a host socket at all (one listening in the sandbox's own io dir, made here, refuses it)."""
+    from .test_audit_sources import static_binary
+
+    st, client, _nc = gvisor_stack
+    sb = await client.create(image="busybox", substrate="gvisor", cpu=0.5, memory_mb=128)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        r = await sb.exec("ls -a /.corral/ctl")
+        assert r.exit_code == 0 and r.stdout.split() == [".", ".."], r
+        await sb.files.write("/tmp/uc", static_binary("unix_connect.c"), mode=0o755)
+        io = f"{st.data_dir}/nodes/node-1/gvisor/{sb.id}/io"
+        probe.bind(f"{io}/probe.sock")
+        os.chmod(f"{io}/probe.sock", 0o777)
+        probe.listen(1)
+        r = await sb.exec("/tmp/uc /.corral/ctl/init.sock /.corral/io/probe.sock")
+        assert r.stdout.splitlines() == ["/.corral/ctl/init.sock ENOENT", "/.corral/io/probe.sock EPERM"], r
+    finally:
+        probe.close()
+        await sb.destroy()
 
 
 async def test_gvisor_limits_bound_the_whole_sandbox(gvisor_stack):
