@@ -114,6 +114,9 @@ async def test_changes_while_a_background_process_keeps_writing(client):
         # rightly show an empty file
         await sb.exec("mkdir /churn && (i=0; while :; do i=$((i+1)); echo $i > /churn/n.new; mv /churn/n.new /churn/n; echo x >> /churn/log; "
                       "touch /churn/f$((i % 50)); rm -f /churn/f$(((i + 25) % 50)); done) >/dev/null 2>&1 &")
+        # until its first round is whole, a walk rightly finds only /churn/n.new (a clean clone
+        # once froze it there, the writer just started)
+        await sb.exec("while [ ! -s /churn/log ]; do sleep 0.01; done", timeout_s=30)
         for _ in range(5):
             reply = await sb.changes(include=["/churn"])
             mem = _members(reply)
