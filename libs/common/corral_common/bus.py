@@ -354,17 +354,13 @@ class Responder:
             raise
 
     async def unserve(self, key: str) -> None:
-        """Stop serving `key`. Drained, not just unsubscribed: a request the server delivered
-        before it saw the UNSUB (a sandbox's destroy racing a caller's last request) is still
-        answered, where an unsubscribe would drop it and leave its caller waiting out its
-        timeout instead of getting an answer (or, once nothing serves, no responders)."""
         op = self.ops.pop(key, None)
         if op is not None:
             self.discovery.remove(op)
         sub = self.subs.pop(key, None)
         if sub is not None:
             try:
-                await sub.drain()
+                await sub.unsubscribe()
             except Exception:  # stopping: a subscription whose connection already closed is gone anyway
                 pass
 
