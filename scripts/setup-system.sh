@@ -2,7 +2,8 @@
 # Installs the host packages corral needs on Debian bookworm (run as root).
 # Idempotent: only missing packages are installed, so repeated `make` calls are cheap.
 set -euo pipefail
-PKGS=(runc runsc fuse3 libfuse3-dev erofs-utils busybox-static docker.io debootstrap iproute2 util-linux gcc libc6-dev procps)
+PKGS=(runc runsc fuse3 libfuse3-dev erofs-utils busybox-static docker.io debootstrap iproute2 util-linux gcc libc6-dev procps
+      qemu-system-x86 linux-image-amd64)  # the last two: the microvm substrate (QEMU, and its guest kernel)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -102,21 +102,22 @@ def _entries(d: str) -> list[str]:
 
 def node_leftovers(data_dir: str, node: str) -> dict[str, list]:
     """What the node's sandboxes left: the container substrate's (and the function substrate's,
-    which shares its cgroup parent) and, where the node ran it, the gvisor substrate's."""
+    which shares its cgroup parent) and, where the node ran them, the gvisor, microvm and vm substrates'."""
     state = f"{data_dir}/nodes/{node}"
     sdir = f"{state}/sandboxes"
-    gdir = f"{state}/gvisor"
-    gparent = f"{state}/cgroup-parent-gvisor"
-    gcgroups: list[str] = []
-    if os.path.exists(gparent):
-        with open(gparent) as f:
-            gcgroups = cgroups_under(f.read().strip())
+    other_cgroups: list[str] = []
+    for name in ("gvisor", "microvm", "vm"):  # the substrates with a cgroup parent of their own, where the node ran them
+        parent = f"{state}/cgroup-parent-{name}"
+        if os.path.exists(parent):
+            with open(parent) as f:
+                other_cgroups += cgroups_under(f.read().strip())
     return {
-        "sandbox_dirs": _entries(sdir) + _entries(gdir),
+        "sandbox_dirs": _entries(sdir) + _entries(f"{state}/gvisor") + _entries(f"{state}/microvm") + _entries(f"{state}/vm"),
         "mounts": mounts_under(state + "/"),
-        "cgroups": cgroups_under(cgroup_parent(data_dir, node)) + gcgroups,
+        "cgroups": cgroups_under(cgroup_parent(data_dir, node)) + other_cgroups,
         "runc": runc_containers(f"{state}/runc") + runc_containers(f"{state}/runsc", "runsc"),
         "uid_ranges": uid_ranges_of(sdir),
+        "guests": [p for vm in ("microvm", "vm") for p in processes_with(f"{state}/{vm}/") if "qemu-system" in p],
     }
 
 
@@ -138,4 +139,4 @@ def uid_ranges_of(owner: str) -> list[int]:
 
 def assert_clean(data_dir: str, node: str) -> None:
     left = node_leftovers(data_dir, node)
-    assert left == {"sandbox_dirs": [], "mounts": [], "cgroups": [], "runc": [], "uid_ranges": []}, left
+    assert left == {"sandbox_dirs": [], "mounts": [], "cgroups": [], "runc": [], "uid_ranges": [], "guests": []}, left

@@ -718,7 +718,7 @@ async def test_run_is_idempotent_by_request_id(nc, client):
         await destroyed.unsubscribe()
 
 
-async def test_create_rejects_one_shot_and_planned_substrates(nc):
+async def test_create_rejects_one_shot_and_unoffered_substrates(nc):
     for sub, word in (("function", "one-shot"), ("microvm", "microvm"), ("vm", "vm"), ("docker", "available")):
         r = await _raw(nc, subjects.SANDBOX_CREATE, {"image": "busybox", "substrate": sub})
         assert r["ok"] is False and r["error"]["code"] == "invalid_request", (sub, r)

@@ -24,6 +24,8 @@ from corral_node_agent.substrates.container import ContainerSubstrate
 from corral_node_agent.substrates.docker import DockerSubstrate
 from corral_node_agent.substrates.function import FunctionSubstrate
 from corral_node_agent.substrates.gvisor import GvisorSubstrate
+from corral_node_agent.substrates.microvm import MicrovmSubstrate
+from corral_node_agent.substrates.vm import VmSubstrate
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ROOT / "services/node-agent/corral_node_agent"
@@ -61,17 +63,20 @@ def test_service_modules_stay_small():
 
 def test_one_registry_entry_per_substrate_class():
     assert REGISTRY == {"container": ContainerSubstrate, "function": FunctionSubstrate, "docker": DockerSubstrate,
-                        "gvisor": GvisorSubstrate}
+                        "gvisor": GvisorSubstrate, "microvm": MicrovmSubstrate, "vm": VmSubstrate}
     assert all(issubclass(cls, Substrate) and cls.name == name for name, cls in REGISTRY.items())
 
 
 def test_what_each_substrate_offers():
     # the function substrate's warm sandboxes are container sandboxes: their denied calls are notified too
-    # gvisor: the Sentry filters its own calls, nothing reaches the host's seccomp notify
+    # gvisor: the Sentry filters its own calls, nothing reaches the host's seccomp notify; microvm, vm:
+    # the guest's kernel serves its calls
     assert {name: cls.supports_seccomp_notify for name, cls in REGISTRY.items()} == {
-        "container": True, "function": True, "docker": False, "gvisor": False}
+        "container": True, "function": True, "docker": False, "gvisor": False, "microvm": False, "vm": False}
     assert {name: cls.snapshots_itself for name, cls in REGISTRY.items()} == {
-        "container": False, "function": False, "docker": True, "gvisor": False}
+        "container": False, "function": False, "docker": True, "gvisor": False, "microvm": False, "vm": False}
+    assert {name: cls.protects_paths for name, cls in REGISTRY.items()} == {
+        "container": True, "function": True, "docker": False, "gvisor": True, "microvm": False, "vm": False}
 
 
 def _sandbox() -> Sandbox:

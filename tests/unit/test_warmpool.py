@@ -4,6 +4,7 @@ from collections import deque
 
 import pytest
 
+from corral_node_agent.substrates.container import ContainerSubstrate
 from corral_node_agent.warmpool import PoolConfig, WarmPool, parse_pools
 
 
@@ -11,12 +12,13 @@ def pool(**kw) -> WarmPool:
     async def exists(image: str) -> bool:
         return True
 
-    return WarmPool(None, "n", PoolConfig(**kw), lambda wid: None, lambda: True, exists)  # type: ignore[arg-type]
+    sub = ContainerSubstrate("n", "/nonexistent", None)  # type: ignore[arg-type]  # (sizing only: nothing is built or read)
+    return WarmPool(sub, "n", PoolConfig(**kw), lambda wid: None, lambda: True, exists)
 
 
 def test_parse_pools():
-    assert parse_pools(["busybox=4", "debian"]) == {"busybox": 4, "debian": 1}
-    for bad in ("busybox=x", "=3", "busybox=-1"):
+    assert parse_pools(["busybox=4", "debian", "microvm:busybox=2"]) == {"busybox": 4, "debian": 1, "microvm:busybox": 2}
+    for bad in ("busybox=x", "=3", "busybox=-1", "teleport:busybox=1", "microvm:=1"):
         with pytest.raises(ValueError, match="IMAGE=COUNT"):
             parse_pools([bad])
 

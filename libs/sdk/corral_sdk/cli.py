@@ -64,8 +64,10 @@ def up(
     metrics_port: int = typer.Option(0, help="first metrics port (0: free ports)"),
     docker: bool = typer.Option(False, "--docker", help="also offer the docker substrate (needs a running dockerd)"),
     gvisor: bool = typer.Option(False, "--gvisor", help="also offer the gvisor substrate (gVisor's runsc)"),
-    warm_pool: list[str] = typer.Option([], "--warm-pool", help="IMAGE=COUNT frozen sandboxes each node keeps ready for creates "
-                                                                "to claim (repeatable), e.g. --warm-pool busybox=4"),
+    microvm: bool = typer.Option(False, "--microvm", help="also offer the microvm substrate (a QEMU guest per sandbox)"),
+    vm: bool = typer.Option(False, "--vm", help="also offer the vm substrate (a full q35 QEMU guest per sandbox)"),
+    warm_pool: list[str] = typer.Option([], "--warm-pool", help="[SUBSTRATE:]IMAGE=COUNT paused sandboxes each node keeps ready for "
+                                                                "creates to claim (repeatable), e.g. --warm-pool busybox=4 or microvm:busybox=2"),
     gateway_port: int = typer.Option(None, help="also serve the SandboxFusion API (`corral gateway`) on this port"),
     cluster: int = typer.Option(1, help="nats-servers: 1, or a cluster of 3 or more (routes on loopback, JetStream at "
                                         "replicas 3); the first listens on --nats-port"),
@@ -89,7 +91,7 @@ def up(
         console.print(f"[red]--hosts {hosts}:[/red] 3 or more, each running its own nats-server (not with --nats)")
         raise typer.Exit(2)
     stack = Stack(data_dir=config.state_dir(data_dir), nodes=nodes, nats_port=nats_port, nats_url=nats, cluster=cluster, hosts=hosts,
-                  image_dir=image_dir, metrics_port=metrics_port, docker=docker, gvisor=gvisor,
+                  image_dir=image_dir, metrics_port=metrics_port, docker=docker, gvisor=gvisor, microvm=microvm, vm=vm,
                   node_args=[a for w in warm_pool for a in ("--warm-pool", w)], gateway_port=gateway_port)
 
     async def run(stop: asyncio.Event) -> None:

@@ -90,6 +90,8 @@ class Stack:
     node_args: list[str] = field(default_factory=list)  # extra node-agent arguments; a --substrate here replaces the defaults
     docker: bool = False  # also enable the `docker` substrate (dockerd must be reachable; `corral up --docker`)
     gvisor: bool = False  # also enable the `gvisor` substrate (runsc installed; `corral up --gvisor`)
+    microvm: bool = False  # also enable the `microvm` substrate (QEMU and a guest kernel installed; `corral up --microvm`)
+    vm: bool = False  # also enable the `vm` substrate (a q35 QEMU guest per sandbox; `corral up --vm`)
     monitor: bool = True  # the monitor, with ClickHouse embedded at <data_dir>/monitor.db
     monitor_args: list[str] = field(default_factory=list)  # extra monitor arguments (e.g. --window-every-s)
     env_builder: bool = True  # the env-builder (`corral.v1.env.*`)
@@ -226,11 +228,12 @@ class Stack:
         return self._start(name, old.argv, old.fixed_metrics_url, old.identity, old.metrics_file, old.host)
 
     def substrate_args(self) -> list[str]:
-        """`container` and `function` on every node by default, `docker` and `gvisor` too when asked;
+        """`container` and `function` on every node by default, `docker`, `gvisor`, `microvm` and `vm` too when asked;
         none when node_args names its own `--substrate`s."""
         if "--substrate" in self.node_args:
             return []
-        subs = ["container", "function", *(["docker"] if self.docker else []), *(["gvisor"] if self.gvisor else [])]
+        subs = ["container", "function", *(name for name, on in (("docker", self.docker), ("gvisor", self.gvisor),
+                                                                  ("microvm", self.microvm), ("vm", self.vm)) if on)]
         return [a for s in subs for a in ("--substrate", s)]
 
     def _mport(self, i: int) -> int:

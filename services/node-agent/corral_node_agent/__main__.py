@@ -29,7 +29,7 @@ def main(
     keep_sandboxes_on_exit: bool = typer.Option(False, help="leave sandboxes running on SIGTERM (adopted on restart)"),
     loader_wait_s: float = typer.Option(60.0, help="how long to wait for the node's image loader at start"),
     usage_top: int = typer.Option(256, help="sandboxes listed one by one in heartbeats (busiest first; all count in the totals)"),
-    warm_pool: list[str] = typer.Option([], help="keep IMAGE=COUNT frozen container sandboxes ready (repeatable); creates claim them"),
+    warm_pool: list[str] = typer.Option([], help="keep [SUBSTRATE:]IMAGE=COUNT paused sandboxes ready (repeatable; container unless named, e.g. microvm:busybox=2); creates claim them"),
     warm_pool_learn: bool = typer.Option(False, help="also give warm pools to images created often recently, sized by their create rate"),
     warm_pool_max: int = typer.Option(8, help="most warm sandboxes per image"),
     warm_pool_total: int = typer.Option(32, help="most warm sandboxes on the node"),

@@ -70,7 +70,7 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     keep_sandboxes_on_exit: bool = False
     loader_wait_s: float = 60.0
     usage_top: int = 256  # sandboxes listed one by one in a heartbeat (busiest first)
-    warm_pool: PoolConfig | None = None  # warm pools for the container substrate (warmpool.py)
+    warm_pool: PoolConfig | None = None  # warm pools (warmpool.py): container's, and microvm:/vm: ones
     #: False (`--no-audit`): no audit events at all (exec log, file activity, denied syscalls are
     #: plain EPERM); protected paths are still enforced. For measuring the cost of auditing.
     audit: bool = True
@@ -117,7 +117,7 @@ class NodeAgent:
         events = Events(nc, self.node)
         self.warm: Warm | None = None
         self.heartbeats = Heartbeats(nc, self.node, self.table, self.placements, events, self.audit,
-                                     lambda: self.warm.pool if self.warm else None, self.cfg.heartbeat_s, self.cfg.usage_top, metrics_url)
+                                     lambda: self.warm, self.cfg.heartbeat_s, self.cfg.usage_top, metrics_url)
         self.warm = Warm(self.node, self.cfg.warm_pool, self.table, self.audit, catalog, lambda: self.heartbeats.observed_mem_mb)
         self.tunnels = Tunnels(nc, self.node, self.audit)
         self.lifecycle = Lifecycle(nc, self.node, self.table, self.audit, self.placements, events, self.responder,

@@ -17,6 +17,9 @@ def is_v2() -> bool:
 
 # v1 hierarchies used for exec tracking: pids (counting, limit inherited) and freezer (atomic kill)
 V1_EXEC_HIERARCHIES = ("pids", "freezer")
+# the v1 hierarchies of a cgroup corral makes itself (cpuset left out: a new cpuset takes no task
+# before its cpus and mems are set)
+V1_OWN = ("cpu", "cpuacct", "memory", "pids", "freezer", "blkio")
 V1_ALL = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd", "net_cls", "net_prio", "perf_event", "hugetlb", "rdma", "misc")
 
 
@@ -195,6 +198,30 @@ class Cgroups:
                 os.rename(d, f"{ROOT}/{h}/{new.rel}")
         return new
 
+    def make(self) -> None:
+        """Create this cgroup (every v1 hierarchy, or the v2 dir with its parents' controllers
+        enabled), for a process corral starts itself rather than through runc."""
+        if self.v2:
+            parts = self.rel.split("/")
+            for i in range(len(parts)):
+                d = "/".join([ROOT, *parts[:i + 1]])
+                os.makedirs(d, exist_ok=True)
+                if i < len(parts) - 1:
+                    for c in ("+cpu", "+memory", "+pids"):
+                        try:
+                            _write_strict(f"{d}/cgroup.subtree_control", c)
+                        except OSError:
+                            pass  # not available to delegate here: that limit is not set
+            return
+        for h in V1_OWN:
+            if os.path.isdir(f"{ROOT}/{h}"):
+                os.makedirs(f"{ROOT}/{h}/{self.rel}", exist_ok=True)
+
+    def add(self, pid: int) -> None:
+        """Move process `pid` (every thread of it) into this cgroup in every hierarchy."""
+        for d in self.all_dirs():
+            _write_strict(f"{d}/cgroup.procs", str(pid))
+
     def wait_empty(self, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -210,9 +237,27 @@ class Cgroups:
 
     def destroy(self, timeout: float = 5.0) -> None:
         """Kill whatever is left and remove every cgroup dir of this sandbox, children first."""
+        if self._remove_if_empty():
+            return
         kill_dirs(self.all_dirs(), self.v2, timeout)
         for top in self.all_dirs():
             rmtree_cgroup(top)
+
+    def _remove_if_empty(self) -> bool:
+        """One rmdir per hierarchy, for the common case of a group with no task and no child left
+        (a finished function call's: ~2 ms less CPU per call than freezing, walking and polling
+        a dozen v1 hierarchies). False at the first busy one (EBUSY: tasks, ENOTEMPTY: child
+        groups), and the caller kills and removes the rest: a live task is in this group or a
+        child of it in every hierarchy, so the first one tried is busy already."""
+        dirs = [self.path("")] if self.v2 else [f"{ROOT}/{h}/{self.rel}" for h in V1_ALL]
+        for d in dirs:
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                continue
+            except OSError:  # EBUSY: tasks; ENOTEMPTY: child groups
+                return False
+        return True
 
 
 def _pids_hits(path: str) -> int:

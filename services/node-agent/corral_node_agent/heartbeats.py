@@ -26,7 +26,7 @@ from .events import Events
 from .placements import Placements
 from .table import SandboxTable
 from .usage import Observed, UsageTracker
-from .warmpool import WarmPool
+from .warm import Warm
 
 log = logging.getLogger("corral.node")
 
@@ -36,14 +36,14 @@ WRITE_BACK_AGAIN_S = 3.0  # the second write-back, past a delete that was still 
 
 class Heartbeats:
     def __init__(self, nc: NATS, node: str, table: SandboxTable, placements: Placements, events: Events, audit: AuditWiring,
-                 pool: Callable[[], WarmPool | None], heartbeat_s: float, usage_top: int, metrics_url: str = ""):
+                 pool: Callable[[], Warm | None], heartbeat_s: float, usage_top: int, metrics_url: str = ""):
         self.nc = nc
         self.node = node
         self.table = table
         self.placements = placements
         self.events = events
         self.audit = audit
-        self.pool = pool  # the warm pool, once started (its sandboxes' memory is the node's too)
+        self.pool = pool  # the warm pools (their sandboxes' memory is the node's too)
         self.heartbeat_s = heartbeat_s
         self.metrics_url = metrics_url
         self.usage = UsageTracker(usage_top)

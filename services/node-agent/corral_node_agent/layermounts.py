@@ -86,6 +86,22 @@ class LayerMounts:
                 raise
         return [self._dir(d) for d in reversed(layers)], layers
 
+    async def files(self, image: str) -> tuple[list[str], list[str]]:
+        """The image's layer files as the loader presents them (lazily fetched, bottom first) and
+        their digests, for a substrate that hands the files to something that mounts them itself
+        (a microvm's block devices); given back with `release_files`."""
+        manifest = await self.catalog.image(image)
+        layers = list(manifest.layers)
+        r = await self._loader("prepare", LoaderPrepare(image=image, layers=layers), PrepareReply)
+        missing = [d for d in layers if not r.paths.get(d)]
+        if missing:
+            await self._loader_release(layers)
+            raise Unavailable(f"the image loader did not provide layer(s) {', '.join(missing)}")
+        return [r.paths[d] for d in layers], layers
+
+    async def release_files(self, layers: list[str]) -> None:
+        await self._loader_release(layers)
+
     async def release(self, layers: list[str]) -> None:
         async with self.lock:
             await self._release_locked(layers)

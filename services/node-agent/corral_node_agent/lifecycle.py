@@ -80,18 +80,24 @@ class Lifecycle:
         self.table.destroying.add(sid)
         sub = self.table.substrate_of[sid]
         t0 = time.perf_counter()
+        # the sandbox's subject stays served until its placement is gone: a call during the
+        # teardown (a gVisor sandbox's takes seconds) gets `not_found` from here at once, and one
+        # after it from the scheduler, which then finds no placement; unserved first, a call
+        # in between had no one to answer it
         try:
-            await self.responder.unserve(sid)
-            await self.tunnels.close_sandbox(sid, f"sandbox destroyed ({reason})")
-            await self.audit.release(sid)
-            await sub.destroy(sb)
+            try:
+                await self.tunnels.close_sandbox(sid, f"sandbox destroyed ({reason})")
+                await self.audit.release(sid)
+                await sub.destroy(sb)
+            finally:
+                self.table.remove(sid)
+                self.usage.forget(sid)
+                self.audit.forget(sid)
+            DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
+            sb.info.state = "destroyed"
+            await self.placements.delete(sid)
         finally:
-            self.table.remove(sid)
-            self.usage.forget(sid)
-            self.audit.forget(sid)
-        DESTROY_SECONDS.labels(self.node, sub.name).observe(time.perf_counter() - t0)
-        sb.info.state = "destroyed"
-        await self.placements.delete(sid)
+            await self.responder.unserve(sid)
         await self.events.of(sb, "destroyed", reason=reason)
 
     async def safe_destroy(self, sid: str, reason: str) -> None:

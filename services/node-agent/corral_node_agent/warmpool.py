@@ -1,8 +1,9 @@
-"""Warm pools: pre-created, frozen container sandboxes for hot images, claimed by creates.
+"""Warm pools: pre-created, paused sandboxes for hot images, claimed by creates.
 
-A create for an image with a warm sandbox ready skips the build (layers, mounts, `runc run`, init
-start; ~100 ms on this machine) and claims one instead: the substrate renames it to the claimed
-id everywhere and applies the request's limits (ContainerSubstrate.claim_warm). A warm sandbox
+A create for an image with a warm sandbox ready skips the build (for a container: layers, mounts,
+`runc run`, init start, ~100 ms on this machine; for a microvm or vm guest: the boot, seconds) and
+claims one instead: the substrate renames it to the claimed id everywhere and applies the
+request's limits (`Substrate.claim_warm`). One pool per substrate that has one (warm.py). A warm sandbox
 never ran anything but its init, and is never given to a second user (destroyed sandboxes are
 never returned to the pool), so a claim is as fresh as a cold create.
 
@@ -33,17 +34,17 @@ import msgspec
 
 from corral_common import logs, metrics
 from corral_common.contract.errors import NotFound
-from corral_common.contract.messages import SandboxInfo, SandboxSpec
+from corral_common.contract.messages import SUBSTRATES, SandboxInfo, SandboxSpec
 
 from .cgroups import Cgroups
-from .substrates.container import ContainerSandbox, ContainerSubstrate
+from .substrates.base import Sandbox, Substrate
 
 log = logging.getLogger("corral.node.warmpool")
 
 POOL_SIZE = metrics.gauge("corral_warm_pool_size", "Warm (pre-created, frozen) sandboxes ready", ("node", "image"))
 POOL_TARGET = metrics.gauge("corral_warm_pool_target", "Warm sandboxes the pool aims to keep", ("node", "image"))
 HITS = metrics.counter("corral_warm_pool_hits_total", "Creates served by claiming a warm sandbox", ("node", "image"))
-MISSES = metrics.counter("corral_warm_pool_misses_total", "Container creates that found no warm sandbox", ("node", "image"))
+MISSES = metrics.counter("corral_warm_pool_misses_total", "Creates that found no warm sandbox", ("node", "image"))
 BUILT = metrics.counter("corral_warm_pool_built_total", "Warm sandboxes built", ("node", "image"))
 TRIMMED = metrics.counter("corral_warm_pool_trimmed_total", "Warm sandboxes destroyed unclaimed (demand dropped)", ("node", "image"))
 BUILD_SECONDS = metrics.histogram("corral_warm_pool_build_seconds", "Time to build and freeze one warm sandbox", ("node",),
@@ -67,32 +68,36 @@ class PoolConfig(msgspec.Struct, kw_only=True):
 
 
 def parse_pools(items: list[str]) -> dict[str, int]:
-    """`["busybox=4", "debian"]` -> {"busybox": 4, "debian": 1}, with a clear error otherwise."""
+    """`["busybox=4", "debian", "microvm:busybox=2"]` -> {"busybox": 4, "debian": 1,
+    "microvm:busybox": 2} (a bare image is the container substrate's), with a clear error otherwise."""
     out: dict[str, int] = {}
     for item in items:
         name, _, n = item.partition("=")
         try:
             count = int(n) if n else 1
         except ValueError:
-            raise ValueError(f"--warm-pool {item!r}: expected IMAGE=COUNT, e.g. busybox=4") from None
-        if not name or count < 0:
-            raise ValueError(f"--warm-pool {item!r}: expected IMAGE=COUNT with COUNT >= 0")
+            raise ValueError(f"--warm-pool {item!r}: expected [SUBSTRATE:]IMAGE=COUNT, e.g. busybox=4 or microvm:busybox=2") from None
+        substrate, sep, image = name.rpartition(":")
+        if not image or count < 0 or (sep and substrate not in SUBSTRATES):
+            raise ValueError(f"--warm-pool {item!r}: expected [SUBSTRATE:]IMAGE=COUNT with COUNT >= 0 and SUBSTRATE one of "
+                             f"{', '.join(SUBSTRATES)}")
         out[name] = count
     return out
 
 
 class WarmPool:
-    def __init__(self, sub: ContainerSubstrate, node: str, cfg: PoolConfig,
+    def __init__(self, sub: Substrate, node: str, cfg: PoolConfig,
                  on_gone: Callable[[str], None], may_grow: Callable[[], bool],
                  image_exists: Callable[[str], Awaitable[bool]]):
         self.sub = sub
         self.node = node
+        self.prefix = "" if sub.name == "container" else f"{sub.name}:"  # in metrics and heartbeats: microvm:busybox
         self.cfg = cfg
         self.on_gone = on_gone  # a warm sandbox went away unclaimed (audit sources forget its id)
         self.may_grow = may_grow  # the node has room (accepting, not near its limits)
         self.image_exists = image_exists  # the image is still in the catalog (claims skip that check)
         self.checked_at = 0.0
-        self.ready: dict[str, deque[ContainerSandbox]] = {}
+        self.ready: dict[str, deque[Sandbox]] = {}
         self.demand: dict[str, deque[float]] = {}
         self.failed_until: dict[str, float] = {}
         self.build_s = 0.15  # moving average of one warm build
@@ -109,23 +114,23 @@ class WarmPool:
         return sum(len(q) for q in self.ready.values())
 
     def by_image(self) -> dict[str, int]:
-        return {image: len(q) for image, q in self.ready.items() if q}
+        return {self.prefix + image: len(q) for image, q in self.ready.items() if q}
 
     def cgroups(self) -> dict[str, Cgroups]:
-        return {sb.id: sb.cg for q in self.ready.values() for sb in q}
+        return {sb.id: sb.cg for q in self.ready.values() for sb in q if sb.cg is not None}
 
-    async def claim(self, info: SandboxInfo, spec: SandboxSpec) -> ContainerSandbox | None:
+    async def claim(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox | None:
         """A warm sandbox of `spec.image` turned into `info.id`, or None (build a cold one)."""
         image = spec.image
         self.demand.setdefault(image, deque()).append(time.monotonic())
         q = self.ready.get(image)
         if not q:
             self.misses += 1
-            MISSES.labels(self.node, image).inc()
+            MISSES.labels(self.node, self.prefix + image).inc()
             self._refill_soon()
             return None
         warm = q.popleft()
-        POOL_SIZE.labels(self.node, image).set(len(q))
+        POOL_SIZE.labels(self.node, self.prefix + image).set(len(q))
         self._refill_soon()
         t0 = time.perf_counter()
         try:
@@ -133,13 +138,13 @@ class WarmPool:
         except Exception as e:
             self.on_gone(warm.id)
             self.misses += 1
-            MISSES.labels(self.node, image).inc()
+            MISSES.labels(self.node, self.prefix + image).inc()
             logs.kv(log, logging.WARNING, "warm sandbox could not be claimed; building a cold one", warm=warm.id,
                     sandbox=info.id, error=str(e))
             return None
         CLAIM_SECONDS.labels(self.node).observe(time.perf_counter() - t0)
         self.hits += 1
-        HITS.labels(self.node, image).inc()
+        HITS.labels(self.node, self.prefix + image).inc()
         return sb
 
     def _refill_soon(self) -> None:
@@ -176,7 +181,7 @@ class WarmPool:
             targets[image] = min(targets[image], max(0, self.cfg.max_total - total))
             total += targets[image]
         for image, n in targets.items():
-            POOL_TARGET.labels(self.node, image).set(n)
+            POOL_TARGET.labels(self.node, self.prefix + image).set(n)
         for image in [i for i, d in self.demand.items() if not d and not targets.get(i)]:
             del self.demand[image]  # forget images nobody asks for any more
         return targets
@@ -216,15 +221,15 @@ class WarmPool:
                     self.demand.pop(image, None)
                     q = self.ready[image]
                     while q:
-                        TRIMMED.labels(self.node, image).inc()
+                        TRIMMED.labels(self.node, self.prefix + image).inc()
                         await self._destroy(q.pop())
-                    POOL_SIZE.labels(self.node, image).set(0)
+                    POOL_SIZE.labels(self.node, self.prefix + image).set(0)
         self.targets = targets = self._targets(now)
         for image, q in self.ready.items():
             while len(q) > targets.get(image, 0):
                 sb = q.pop()  # the newest: the oldest stay first in line
-                POOL_SIZE.labels(self.node, image).set(len(q))
-                TRIMMED.labels(self.node, image).inc()
+                POOL_SIZE.labels(self.node, self.prefix + image).set(len(q))
+                TRIMMED.labels(self.node, self.prefix + image).inc()
                 await self._destroy(sb)
         needy = [(targets[i] - len(self.ready.get(i, ())), i) for i in targets
                  if targets[i] > len(self.ready.get(i, ())) and self.failed_until.get(i, 0) <= now]
@@ -252,13 +257,13 @@ class WarmPool:
         dt = time.perf_counter() - t0
         self.build_s = 0.8 * self.build_s + 0.2 * dt
         BUILD_SECONDS.labels(self.node).observe(dt)
-        BUILT.labels(self.node, image).inc()
+        BUILT.labels(self.node, self.prefix + image).inc()
         q = self.ready.setdefault(image, deque())
         q.append(sb)
-        POOL_SIZE.labels(self.node, image).set(len(q))
+        POOL_SIZE.labels(self.node, self.prefix + image).set(len(q))
         return True
 
-    async def _destroy(self, sb: ContainerSandbox) -> None:
+    async def _destroy(self, sb: Sandbox) -> None:
         self.on_gone(sb.id)
         try:
             await self.sub.destroy(sb)
@@ -277,4 +282,4 @@ class WarmPool:
         for image, q in self.ready.items():
             while q:
                 await self._destroy(q.pop())
-            POOL_SIZE.labels(self.node, image).set(0)
+            POOL_SIZE.labels(self.node, self.prefix + image).set(0)

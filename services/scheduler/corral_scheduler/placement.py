@@ -14,7 +14,6 @@ from corral_common.contract.messages import SandboxSpec
 from .counters import REJECTIONS
 from .registry import NodeState, Policy, Registry, Reservation
 
-PLANNED_SUBSTRATES = {"microvm": "Firecracker microVMs", "vm": "QEMU VMs"}
 ONE_SHOT_SUBSTRATES = {"function"}
 
 
@@ -62,10 +61,12 @@ def candidates(nodes: list[NodeState], spec: SandboxSpec, policy: Policy | None 
 def has_warm(st: NodeState, spec: SandboxSpec) -> int:
     """1 if the node has a warm-pool sandbox of the image left for this create (its heartbeat's
     `warm` count, minus creates sent to it since that are not answered yet): a claim answers in
-    milliseconds where a build takes ~100 ms, so such nodes come first, under either policy."""
-    if spec.substrate != "container":
+    milliseconds where a build takes ~100 ms (a guest's boot, seconds), so such nodes come first,
+    under either policy. Heartbeats key a container's pool by image, another substrate's as
+    `substrate:image`."""
+    if spec.substrate == "function":
         return 0
-    ready = st.hb.warm.get(spec.image, 0)
+    ready = st.hb.warm.get(spec.image if spec.substrate == "container" else f"{spec.substrate}:{spec.image}", 0)
     return int(ready > 0 and sum(1 for r in st.reservations if r.done_at is None) < ready)
 
 
@@ -89,9 +90,6 @@ def check_substrate(registry: Registry, spec: SandboxSpec, one_shot: bool = Fals
     if spec.substrate in ONE_SHOT_SUBSTRATES and not one_shot:
         raise InvalidRequest(f"substrate {spec.substrate!r} is one-shot: send {{\"spec\", \"exec\"}} to {subjects.SANDBOX_RUN} "
                              f"(SDK client.run / client.call); for a sandbox that stays use 'container' or 'docker'")
-    if spec.substrate in PLANNED_SUBSTRATES:
-        raise InvalidRequest(f"substrate {spec.substrate!r} ({PLANNED_SUBSTRATES[spec.substrate]}) is planned but not available yet; "
-                             f"available: {', '.join(sorted(registry.substrates())) or 'none'}")
     have = registry.substrates()
     if have and spec.substrate not in have:
         raise InvalidRequest(f"no node offers substrate {spec.substrate!r}; available: {', '.join(sorted(have))}")

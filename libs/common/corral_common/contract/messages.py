@@ -291,7 +291,7 @@ class SnapshotRequest(Request, kw_only=True):
     name: str = ""  # image name for the snapshot; default snap-<sandbox>-<ms>
     labels: LabelMap = {}
     # the processes' memory too (a restore resumes them): only substrates that can save a running
-    # guest (none yet: the microvm/vm substrates are planned); others answer invalid_request
+    # guest (none yet: microvm's are planned); others answer invalid_request
     memory: bool = False
 
 
@@ -409,7 +409,7 @@ class Heartbeat(Struct, kw_only=True):
     version: str = ""
     metrics_url: str = ""
     stopping: bool = False
-    warm: dict[str, int] = {}  # image -> warm-pool sandboxes ready to be claimed on this node
+    warm: dict[str, int] = {}  # image (container) or substrate:image (microvm:busybox) -> warm-pool sandboxes ready on this node
     # one per node-agent process: a heartbeat of the same incarnation after a call proves the
     # process that held the sandbox's subscription when the call came was still alive
     incarnation: str = ""

@@ -95,6 +95,20 @@ class Substrate(abc.ABC):
     async def start(self) -> None:
         """Check prerequisites; raise with a clear message when this substrate cannot run here."""
 
+    def warm_serves(self, spec: SandboxSpec) -> bool:
+        """Whether a warm-pool sandbox of this substrate (`create_warm`) can become a sandbox of
+        `spec` (`claim_warm`); False for substrates without warm pools."""
+        return False
+
+    async def create_warm(self, image: str) -> Sandbox:
+        """A sandbox of `image` built ahead under an internal id and paused, for a warm pool."""
+        raise InvalidRequest(f"substrate {self.name!r} has no warm pools")
+
+    async def claim_warm(self, sb: Sandbox, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        """Turn the warm sandbox `sb` into the running sandbox `info.id` of `spec`; on failure
+        it is torn down and the error raised (the caller builds a cold one)."""
+        raise InvalidRequest(f"substrate {self.name!r} has no warm pools")
+
     @abc.abstractmethod
     async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox: ...
 

@@ -277,10 +277,12 @@ class ContainerSubstrate(Substrate):
 
     # ------------------------------------------------------------------ warm pool
 
+    def warm_serves(self, spec: SandboxSpec) -> bool:  # masks, canaries, an allow-list are made at build: cold
+        return type(self) is ContainerSubstrate and not (spec.protected_paths or spec.canaries or spec.network != "none")
+
     async def create_warm(self, image: str) -> ContainerSandbox:
-        """A warm-pool sandbox: built like any other under an internal id (WARM_PREFIX), its init
-        answering, then frozen. Nothing runs in it until a claim; it has no record on disk, so
-        a restarted agent cleans it up instead of adopting it."""
+        """Built like any other under an internal id (WARM_PREFIX), its init answering, then frozen;
+        no record on disk, so a restarted agent cleans it up instead of adopting it."""
         now = time.time()
         wid = f"{WARM_PREFIX}{secrets.token_hex(6)}"
         info = SandboxInfo(id=wid, node=self.node, state="paused", substrate="container", image=image,
@@ -295,11 +297,9 @@ class ContainerSubstrate(Substrate):
         return sb
 
     async def claim_warm(self, sb: Sandbox, info: SandboxInfo, spec: SandboxSpec) -> ContainerSandbox:
-        """Turn a frozen warm-pool sandbox into the sandbox `info.id`: every name that carried the
-        internal id (cgroup dirs, runc's container id and state, the state dir, the host name,
-        the seccomp metadata, which the agent re-keys) now carries the claimed one; the request's
-        limits, disk size and workdir applied; thawed and answering. On failure the warm sandbox
-        is torn down (under either name) and the error raised: the caller builds a cold one."""
+        """Every name that carried the internal id (cgroup dirs, runc's container id and state, the
+        state dir, the host name, the seccomp metadata, which the agent re-keys) now carries the
+        claimed one; the request's limits, disk size and workdir applied; thawed and answering."""
         assert isinstance(sb, ContainerSandbox)
         old_sid, old_sdir, old_cg = sb.id, sb.sdir, sb.cg
         try:

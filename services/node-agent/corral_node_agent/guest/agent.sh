@@ -1,0 +1,158 @@
+#!/bin/sh
+# corral's microvm guest agent: one line per request on the virtio-serial port "corral", one line
+# per answer; binary fields are base64 behind a "-" (so that an empty one is still a field).
+#   X id timeout max -script -stdin stream   run the script (its own process group) -> D id rc
+#                                     timed_out out_size err_size -out -err (each cut to max bytes);
+#                                     with stream=1, before it: O id o|e -bytes as output appears
+#   S id name timeout max stream -start -pre -cmd -stdin   the same in session `name`: a shell that
+#                                     stays (started by the script -start when there is none), in
+#                                     which `{ pre && . cmd; } < stdin` runs -> D as for X; a
+#                                     timeout kills the session (the next call starts a new one)
+#   K id                              kill exec id's process group (no answer: its D says so)
+#   R id max -path                    read a regular file inside the root -> F id rc mode -data
+#   W id mode parents -path -data     write one                   -> F id rc 0 -error
+#   P id                              -> P id (the host's "are you there")
+# Answers go out whole, one at a time, through one writer; requests are served concurrently.
+R=/run/corral
+mkdir -p $R
+port=""
+for p in /sys/class/virtio-ports/*; do
+    [ "$(cat "$p/name")" = corral ] && port=/dev/$(basename "$p")
+done
+[ -n "$port" ] || { echo "corral-agent: no virtio-serial port named corral"; exit 1; }
+exec 3<>"$port"
+mkfifo $R/q
+( exec 4<>$R/q; while read -r f <&4; do cat "$f" >&3; rm -f "$f"; done ) &
+send() { # file: hand a finished answer to the writer
+    mv "$1" "$1.out"
+    echo "$1.out" > $R/q
+}
+inroot() { chroot /mnt/root /.corral/busybox "$@"; }
+stream() { # id dir max: what exec id wrote since the last look, each stream up to max bytes
+    for sn in o e; do
+        n=$(wc -c < "$2/$sn")
+        k=$(cat "$2/$sn.n" 2>/dev/null || echo 0)
+        [ "$n" -gt "$3" ] && n=$3
+        if [ "$n" -gt "$k" ]; then
+            printf 'O %s %s -%s\n' "$1" "$sn" "$(tail -c +$((k + 1)) "$2/$sn" | head -c $((n - k)) | base64 -w0)" > "$R/c$1$sn$k"
+            echo "$n" > "$2/$sn.n"
+            send "$R/c$1$sn$k"
+        fi
+    done
+}
+run() {
+    d=$R/x$1
+    mkdir -p "$d"
+    echo "${4#-}" | base64 -d > "$d/s"
+    echo "${5#-}" | base64 -d > "$d/i"
+    setsid sh "$d/s" < "$d/i" > "$d/o" 2> "$d/e" &
+    p=$!
+    echo "$p" > "$d/p"
+    streamer "$1" "$d" "$3" "$6"
+    ( trap 'kill $s 2>/dev/null; exit 0' TERM; sleep "$2" & s=$!; wait $s; : > "$d/t"; kill -KILL -- "-$p" 2>/dev/null ) &
+    w=$!
+    wait "$p"
+    rc=$?
+    kill "$w" 2>/dev/null
+    wait "$w" 2>/dev/null
+    t=0; [ -e "$d/t" ] && t=1
+    answer "$1" "$rc" "$t" "$d" "$3" "$st"
+}
+answer() { # id rc timed_out dir max streamer: the last of the output, then D
+    if [ -n "$6" ]; then : > "$4/z"; wait "$6"; stream "$1" "$4" "$5"; fi
+    printf 'D %s %s %s %s %s -%s -%s\n' "$1" "$2" "$3" "$(wc -c < "$4/o")" "$(wc -c < "$4/e")" \
+        "$(head -c "$5" "$4/o" | base64 -w0)" "$(head -c "$5" "$4/e" | base64 -w0)" > "$R/a$1"
+    rm -rf "$4" "$R/x$1"
+    send "$R/a$1"
+}
+streamer() { # id dir max on: if on (1), stream in the background until dir/z appears; its pid in $st
+    st=""
+    if [ "$4" = 1 ]; then
+        ( while [ ! -e "$2/z" ]; do sleep 0.1; stream "$1" "$2" "$3"; done ) &
+        st=$!
+    fi
+}
+sess() {
+    # the call's files inside the root, where the session's shell sees them
+    d=/mnt/root/.corral/io/$1
+    c=/.corral/io/$1
+    s=$R/s$2
+    mkdir -p "$d" "$R/x$1"
+    : > "$d/o"
+    : > "$d/e"
+    echo "${9#-}" | base64 -d > "$d/i"
+    echo "${8#-}" | base64 -d > "$d/u"
+    if [ ! -e "$s/p" ] || [ -e "$s/x" ] || ! kill -0 "$(cat "$s/p")" 2>/dev/null; then
+        rm -rf "$s"
+        mkdir -p "$s"
+        mkfifo "$s/q"
+        echo "${6#-}" | base64 -d > "$s/start"
+        setsid sh -c 'sh "$1/start" 0<>"$1/q" >/dev/null 2>&1; echo $? > "$1/x.t"; mv "$1/x.t" "$1/x"' corral-session "$s" &
+        echo $! > "$s/p"
+    fi
+    p=$(cat "$s/p")
+    echo "$p" > "$R/x$1/p"
+    # the status first, then the mark the agent waits for (shell built-ins only: images vary)
+    printf '{ %s && . %s/u; } < %s/i > %s/o 2> %s/e; echo $? > %s/rc; : > %s/r\n' \
+        "$(echo "${7#-}" | base64 -d)" "$c" "$c" "$c" "$c" "$c" "$c" 1<> "$s/q"  # read-write: never blocks
+    ( trap 'kill $w 2>/dev/null; exit 0' TERM; sleep "$3" & w=$!; wait $w; : > "$d/t"; kill -KILL -- "-$p" 2>/dev/null ) &
+    tm=$!
+    streamer "$1" "$d" "$4" "$5"
+    while [ ! -e "$d/r" ] && [ ! -e "$d/t" ] && [ ! -e "$s/x" ] && kill -0 "$p" 2>/dev/null; do sleep 0.02; done
+    kill "$tm" 2>/dev/null
+    wait "$tm" 2>/dev/null
+    t=0
+    if [ -e "$d/r" ]; then
+        rc=$(cat "$d/rc")
+    elif [ -e "$s/x" ]; then
+        rc=$(cat "$s/x"); rm -rf "$s"  # the command ended the session's shell (exit)
+    else  # timed out, or killed (K): the session goes with it
+        t=1; rc=137; rm -rf "$s"
+    fi
+    answer "$1" "$rc" "$t" "$d" "$4" "$st"
+}
+readf() {
+    p=$(echo "${3#-}" | base64 -d)
+    if ! inroot test -e "$p"; then
+        echo "F $1 1 0 -" > "$R/a$1"
+    elif inroot test -d "$p"; then
+        echo "F $1 2 0 -" > "$R/a$1"
+    elif ! inroot test -f "$p"; then
+        echo "F $1 4 0 -" > "$R/a$1"
+    else
+        printf 'F %s 0 %s -%s\n' "$1" "$(inroot stat -L -c %a -- "$p")" "$(inroot head -c "$2" -- "$p" | base64 -w0)" > "$R/a$1"
+    fi
+    send "$R/a$1"
+}
+# A write goes through one descriptor (mode set on it, then the data), as on `container`: the
+# sandbox removing or renaming the file meanwhile cannot fail it halfway.
+writef() {
+    p=$(echo "${4#-}" | base64 -d)
+    echo "${5#-}" | base64 -d > "$R/w$1"
+    rc=0
+    if [ "$3" = 1 ]; then inroot mkdir -p -- "$(dirname -- "$p")" 2> "$R/e$1" || rc=3; fi
+    if [ "$rc" = 0 ]; then
+        if ! inroot test -d "$(dirname -- "$p")"; then
+            rc=1
+        elif inroot test -e "$p" && ! inroot test -f "$p"; then
+            rc=4
+        elif ! inroot sh -c 'exec 4> "$1" && { chmod "$2" /proc/self/fd/4 2>/dev/null || chmod "$2" "$1"; } && cat >&4' corral-write "$p" "$2" < "$R/w$1" 2> "$R/e$1"; then
+            rc=3
+        fi
+    fi
+    printf 'F %s %s 0 -%s\n' "$1" "$rc" "$(base64 -w0 < "$R/e$1" 2>/dev/null)" > "$R/a$1"
+    rm -f "$R/w$1" "$R/e$1"
+    send "$R/a$1"
+}
+echo "H 0 ready" > $R/hello
+send $R/hello
+while read -r op id a b c d e f g h <&3; do
+    case "$op" in
+        X) run "$id" "$a" "$b" "$c" "$d" "$e" & ;;
+        S) sess "$id" "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" & ;;
+        K) [ -e "$R/x$id/p" ] && kill -KILL -- "-$(cat "$R/x$id/p")" 2>/dev/null ;;
+        R) readf "$id" "$a" "$b" & ;;
+        W) writef "$id" "$a" "$b" "$c" "$d" & ;;
+        P) echo "P $id" > "$R/a$id"; send "$R/a$id" ;;
+    esac
+done

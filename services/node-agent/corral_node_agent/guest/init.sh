@@ -1,0 +1,52 @@
+#!/bin/sh
+# corral's microvm init: PID 1 of the guest, from the initramfs. Mounts the image's EROFS layers
+# (virtio block devices whose serial is l0, l1, ... bottom first) under an overlay whose upper is a
+# tmpfs of corral_disk MiB, caps the sandbox's processes at corral_pids, then runs the guest agent;
+# the guest powers off when the agent ends.
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in $(cat /lib/modules/order); do
+    insmod "/lib/modules/$m" || echo "corral-init: insmod $m failed"
+done
+if grep -q corral_probe=1 /proc/cmdline; then echo corral-probe-ok; poweroff -f; fi
+arg() { sed -n "s/.*corral_$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
+fail() { echo "corral-init: $*"; poweroff -f; }
+disk=$(arg disk)
+layers=$(arg layers)
+hostname "$(arg host)"
+mkdir -p /mnt/rw /mnt/root
+mount -t tmpfs -o "size=${disk}m,mode=0755" rw /mnt/rw || fail "no tmpfs for the writable layer"
+mkdir /mnt/rw/upper /mnt/rw/work
+lower=""
+i=0
+while [ "$i" -lt "$layers" ]; do
+    dev=""
+    for s in /sys/block/vd*/serial; do
+        [ "$(cat "$s")" = "l$i" ] && dev=$(basename "$(dirname "$s")")
+    done
+    [ -n "$dev" ] || fail "layer l$i has no block device"
+    mkdir "/mnt/l$i"
+    mount -t erofs -o ro "/dev/$dev" "/mnt/l$i" || fail "cannot mount layer l$i ($dev)"
+    lower="/mnt/l$i${lower:+:$lower}"
+    i=$((i + 1))
+done
+mount -t overlay root -o "lowerdir=$lower,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work" /mnt/root || fail "no overlay root"
+cd /mnt/root || fail "no root"
+mkdir -p proc sys dev tmp .corral
+chmod 1777 tmp
+mount -t proc proc proc
+mount -t sysfs sys sys
+mount -t devtmpfs dev dev
+touch .corral/busybox
+mount --bind /bin/busybox .corral/busybox
+cd /
+# pids_max binds the sandbox's processes (every exec joins this group), not the agent
+mkdir -p /sys/fs/cgroup
+mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
+echo +pids > /sys/fs/cgroup/cgroup.subtree_control
+mkdir /sys/fs/cgroup/sandbox
+echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
+/bin/sh /agent.sh
+fail "the guest agent ended"

@@ -1,0 +1,514 @@
+"""The `microvm` substrate: each sandbox is a QEMU `-M microvm` guest with a kernel of its own, so
+code inside reaches the host only through QEMU's few virtio devices, never the host kernel's
+system calls.
+
+The guest (microvm_guest.py) boots the distribution's kernel with corral's initramfs; the image's
+EROFS layers, as the node's loader presents them (fetched lazily, block by block), are read-only
+virtio block devices under an overlay whose upper is a tmpfs of `disk_mb` inside the guest; the
+guest agent answers on a virtio-serial port (microvm_channel.py). No network device: network none.
+
+KVM when the host's passes a real boot (probed once per host, cached in GUEST_CACHE; a nested
+KVM that creates VMs but never runs a vCPU is common), TCG otherwise (`CORRAL_MICROVM_ACCEL`
+forces one). QEMU runs in the sandbox's cgroup: cpu as asked, memory as the guest's RAM plus
+QEMU's own share. The guest's RAM is memory_mb + disk_mb (its writable layer lives in it).
+
+Warm pools (`--warm-pool microvm:IMAGE=N`) keep booted guests stopped, for creates whose RAM
+and vCPUs are the defaults. A streaming exec gets its output every ~0.1 s as the guest agent finds
+it. Sessions are shells the guest agent keeps (guest/agent.sh). Not yet (clear errors): snapshots
+and forks, memory snapshots, harness execs, file audit and protected paths, adoption after a
+node-agent restart (its guests are cleaned up instead)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import msgspec
+
+from corral_common.contract.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
+from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+from .. import cgroups
+from ..layermounts import LayerMounts
+from ..sessions import SHELLS
+from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
+from .common import result_stderr
+from .container import WARM_PREFIX
+from .container_sandbox import DEFAULT_ENV
+from .microvm_channel import ExecDone, GuestChannel, SessionCall
+from .microvm_guest import GUEST_CACHE, Guest, ensure_guest
+
+log = logging.getLogger("corral.node.microvm")
+
+ACCEL_ENV = "CORRAL_MICROVM_ACCEL"
+ACCEL_CACHE_S = 86400.0
+KVM_PROBE_S, TCG_PROBE_S = 8.0, 60.0
+BOOT_TIMEOUT_S = 25.0  # under the scheduler's 30 s wait for a node: the node says why, not the scheduler "no answer"
+#: QEMU's own memory beside the guest's RAM (its code, TCG's translation cache of TB_SIZE_MB)
+QEMU_OVERHEAD_MB = 160
+TB_SIZE_MB = 32
+#: the guest kernel, its page cache of the image and the agent, beside memory_mb and disk_mb
+GUEST_BASE_MB = 64
+QEMU_TASKS = 64
+BOOT_CPU = 1.0  # the cpu quota while the guest boots (the asked one, if lower, after)
+#: what warm-pool guests boot with: the defaults, so a create that names no sizes claims one
+WARM_SPEC = SandboxSpec(image="busybox")
+
+
+class MicrovmSandbox(Sandbox):
+    def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups,
+                 proc: asyncio.subprocess.Process, chan: GuestChannel, layers: list[str]):
+        super().__init__(info, spec)
+        self.sdir = sdir
+        self.cg = cg
+        self.proc = proc
+        self.chan = chan
+        self.layers = layers
+        self.exit_watch: asyncio.Task[None] | None = None
+        self.destroying = False
+        self.session_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # a session's calls take turns
+
+
+def session_script(shell: str, env: dict[str, str], cwd: str) -> str:
+    """The guest-side script that becomes a session's shell: in the sandbox cgroup, a clean
+    environment, the image's root, its workdir, then `shell` reading commands from the agent."""
+    return "echo $$ > /sys/fs/cgroup/sandbox/cgroup.procs || exit 125\nexec " + shlex.join(
+        ["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), "/bin/chroot", "/mnt/root", shell, "-c",
+         'cd -- "$1" 2>/dev/null; exec "$0"', shell, cwd]) + "\n"
+
+
+def exec_script(argv: list[str], env: dict[str, str], cwd: str) -> str:
+    """The guest-side script of one exec: into the guest's sandbox cgroup (pids_max), a clean
+    environment, the image's root, its cwd, then the command; a missing cwd or command gets the
+    container substrate's message and code."""
+    inner = ('cd -- "$1" 2>/dev/null || { printf "corral: cannot change directory to %s: No such file or directory\\n" "$1" >&2; '
+             'exit 126; }; shift; command -v -- "$1" >/dev/null 2>&1 || '
+             '{ printf "corral: cannot run %s: No such file or directory\\n" "$1" >&2; exit 127; }; exec "$@"')
+    return "echo $$ > /sys/fs/cgroup/sandbox/cgroup.procs || exit 125\nexec " + shlex.join(["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()),
+                                 "/bin/chroot", "/mnt/root", "/.corral/busybox", "sh", "-c", inner, "corral-exec", cwd, *argv]) + "\n"
+
+
+class MicrovmSubstrate(Substrate):
+    name = "microvm"
+    memory_snapshot_gap = "memory snapshots of microvm sandboxes are not available yet"
+    #: QEMU's machine: microvm has no PCI bus, no firmware and no ACPI tables to walk at boot
+    machine = "microvm,x-option-roms=off,rtc=off"
+    #: the transport of the virtio devices on that machine (virtio-blk-device, virtio-blk-pci)
+    virtio = "device"
+
+    def __init__(self, node: str, state_dir: str, layers: LayerMounts):
+        self.node = node
+        self.state_dir = state_dir
+        self.layers = layers
+        self.sandboxes_dir = f"{state_dir}/{self.name}"
+        tag = hashlib.sha256(os.path.abspath(state_dir).encode()).hexdigest()[:8]
+        self.cgroup_parent = f"/corral/{node}-{tag}-{self.name}"
+        self.qemu = shutil.which("qemu-system-x86_64") or ""
+        self.accel = ""
+        self.guest: Guest | None = None
+
+    async def start(self) -> None:
+        if not self.qemu:
+            raise Unavailable("QEMU is not installed (apt-get install qemu-system-x86)")
+        if os.geteuid() != 0:
+            raise Unavailable(f"the {self.name} substrate needs root (cgroups, the loader's layer files)")
+        os.makedirs(self.sandboxes_dir, mode=0o700, exist_ok=True)
+        with open(f"{self.state_dir}/cgroup-parent-{self.name}", "w") as f:  # for the stack's last-resort sweep
+            f.write(self.cgroup_parent + "\n")
+        self.guest = await asyncio.to_thread(ensure_guest)
+        self.accel = await self._choose_accel()
+        log.info(f"{self.name} substrate ready", extra={"fields": {"accel": self.accel, "kernel": self.guest.version}})
+
+    # ------------------------------------------------------------------ accelerator
+
+    async def _choose_accel(self) -> str:
+        forced = os.environ.get(ACCEL_ENV, "")
+        if forced:
+            if forced not in ("kvm", "tcg"):
+                raise Unavailable(f"{ACCEL_ENV}={forced!r}: use kvm or tcg")
+            return forced
+        cache = f"{GUEST_CACHE}/accel-{self.name}"
+        with contextlib.suppress(OSError):
+            if time.time() - os.path.getmtime(cache) < ACCEL_CACHE_S:
+                with open(cache) as f:
+                    cached = f.read().strip()
+                if cached in ("kvm", "tcg"):
+                    return cached
+        problems = []
+        for accel, limit in (("kvm", KVM_PROBE_S), ("tcg", TCG_PROBE_S)):
+            if accel == "kvm" and not os.access("/dev/kvm", os.R_OK | os.W_OK):
+                problems.append("kvm: no /dev/kvm")
+                continue
+            problem = await self._probe(accel, limit)
+            if not problem:
+                with open(cache + ".tmp", "w") as f:
+                    f.write(accel + "\n")
+                os.replace(cache + ".tmp", cache)
+                return accel
+            problems.append(f"{accel}: {problem}")
+        raise Unavailable(f"QEMU cannot boot the {self.name} guest here ({'; '.join(problems)})")
+
+    async def _probe(self, accel: str, limit: float) -> str:
+        """Boot the guest to its init (corral_probe=1 powers off there); '' if it got there. The
+        console goes to a file: read through a pipe by the node-agent, the guest's boot stalled."""
+        d = tempfile.mkdtemp(prefix=f"{self.name}-probe-", dir=self.state_dir)
+        try:
+            with open(f"{d}/qemu.log", "wb") as log_file:
+                proc = await asyncio.create_subprocess_exec(*self._argv(accel, 128, 1, "corral_probe=1", f"file:{d}/console.log"),
+                                                            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                                                            stderr=log_file)
+            try:
+                deadline = time.monotonic() + limit
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(OSError), open(f"{d}/console.log", "rb") as f:
+                        if b"corral-probe-ok" in f.read():
+                            return ""
+                    if proc.returncode is not None:
+                        return "QEMU ended before the guest's init ran: " + self._why(d)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(proc.wait(), 0.05)
+                return f"the guest did not reach its init in {limit:g}s: " + self._why(d)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _argv(self, accel: str, mem_mb: int, cpus: int, extra: str, serial: str, sdir: str = "",
+              layer_files: list[str] | None = None) -> list[str]:
+        assert self.guest is not None
+        argv = [self.qemu, "-M", self.machine,
+                "-accel", f"tcg,tb-size={TB_SIZE_MB}" if accel == "tcg" else "kvm",
+                "-cpu", "max" if accel == "tcg" else "host", "-m", str(mem_mb), "-smp", str(cpus),
+                "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+                "-kernel", self.guest.kernel, "-initrd", self.guest.initrd,
+                "-append", f"console=ttyS0 quiet panic=-1 {self._clock_args(accel)} {extra}",
+                "-serial", serial]
+        if sdir:
+            argv += ["-device", f"virtio-serial-{self.virtio}",
+                     "-chardev", f"socket,id=agent,path={sdir}/agent.sock,server=on,wait=off",
+                     "-device", "virtserialport,chardev=agent,name=corral",
+                     "-qmp", f"unix:{sdir}/qmp.sock,server=on,wait=off"]
+        for i, path in enumerate(layer_files or []):
+            argv += ["-drive", f"id=l{i},file={path},format=raw,if=none,readonly=on,file.locking=off",
+                     "-device", f"virtio-blk-{self.virtio},drive=l{i},serial=l{i}"]
+        return argv
+
+    @staticmethod
+    def _clock_args(accel: str) -> str:
+        """Under TCG the guest's TSC runs at the host's rate, and a microvm has no HPET or PM
+        timer to measure it against: the kernel's PIT calibration fails under load and the boot
+        then hangs (~1 in 5) calibrating the APIC timer against PIT ticks. Told the rate
+        (tsc_early_khz, the host's from /proc/cpuinfo, whose TSC is constant), it uses the TSC
+        and the APIC's TSC-deadline timer and calibrates nothing."""
+        if accel != "tcg":
+            return ""
+        return f"tsc=reliable lpj=4000000 tsc_early_khz={host_tsc_khz()}" if host_tsc_khz() else "tsc=reliable lpj=4000000"
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        if spec.fork_of:
+            raise InvalidRequest(f"{self.name} sandboxes cannot be forked yet (the container substrate's can)")
+        sid = info.id
+        files, layers = await self.layers.files(spec.image)
+        sdir = f"{self.sandboxes_dir}/{sid}"
+        cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
+        proc: asyncio.subprocess.Process | None = None
+        chan = GuestChannel(f"{sdir}/agent.sock")
+        try:
+            os.makedirs(sdir, mode=0o700)
+            with open(f"{sdir}/layers.json", "w") as f:
+                json.dump(layers, f)
+            guest_mb = spec.memory_mb + spec.disk_mb + GUEST_BASE_MB
+            await asyncio.to_thread(self._make_cgroup, cg, max(spec.cpu, BOOT_CPU), guest_mb + QEMU_OVERHEAD_MB)
+            argv = self._argv(self.accel, guest_mb, _vcpus(spec.cpu),
+                              f"corral_disk={spec.disk_mb} corral_layers={len(files)} corral_host={sid} corral_pids={spec.pids_max}",
+                              f"file:{sdir}/console.log", sdir, files)
+            with open(f"{sdir}/qemu.log", "wb") as log_file:
+                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                            stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
+            cg.add(proc.pid)
+            with open(f"{sdir}/qemu.pid", "w") as f:
+                f.write(str(proc.pid))
+            boot = asyncio.create_task(chan.connect(BOOT_TIMEOUT_S))
+            ended = asyncio.create_task(proc.wait())
+            await asyncio.wait({boot, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not boot.done():
+                boot.cancel()
+                with contextlib.suppress(BaseException):
+                    await boot
+                raise Internal(f"{self.name} {sid} stopped while booting: {self._why(sdir)}")
+            ended.cancel()
+            with contextlib.suppress(BaseException):
+                await ended
+            try:
+                boot.result()
+            except Unavailable as e:
+                raise Internal(f"{self.name} {sid} did not come up ({e}): {self._why(sdir)}") from None
+            if spec.cpu < BOOT_CPU:
+                cg.set_cpu(spec.cpu)
+        except BaseException:
+            await asyncio.shield(chan.close())
+            await asyncio.shield(self._teardown(sid, sdir, cg, proc, layers))
+            raise
+        return MicrovmSandbox(info, spec, sdir, cg, proc, chan, layers)
+
+    # ------------------------------------------------------------------ warm pool
+
+    def warm_serves(self, spec: SandboxSpec) -> bool:
+        """A warm guest was booted with the default spec's RAM (memory_mb + disk_mb) and one vCPU,
+        which a running guest cannot change: it serves specs with the same."""
+        return (spec.memory_mb, spec.disk_mb, _vcpus(spec.cpu)) == (WARM_SPEC.memory_mb, WARM_SPEC.disk_mb, _vcpus(WARM_SPEC.cpu))
+
+    async def create_warm(self, image: str) -> Sandbox:
+        """A guest booted under an internal id (WARM_PREFIX) and stopped (QMP `stop`: no CPU
+        until a claim). A restarted node-agent cleans it up with the rest."""
+        now = time.time()
+        info = SandboxInfo(id=f"{WARM_PREFIX}{secrets.token_hex(6)}", node=self.node, state="paused", substrate=self.name,
+                           image=image, created_at=now, expires_at=now + 365 * 86400)
+        sb = await self.create(info, msgspec.structs.replace(WARM_SPEC, image=image))
+        try:
+            await self.pause(sb)
+        except BaseException:
+            await asyncio.shield(self.destroy(sb))
+            raise
+        return sb
+
+    async def claim_warm(self, sb: Sandbox, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        """The warm guest becomes `info.id`: its dir and cgroup renamed, its cpu quota the spec's,
+        running again, and inside it the host name, pids.max and the clock (which stood still
+        while it was stopped) set by the agent."""
+        assert isinstance(sb, MicrovmSandbox)
+        old = sb.id
+        try:
+            sdir = f"{self.sandboxes_dir}/{info.id}"
+            os.rename(sb.sdir, sdir)  # QEMU's sockets move with it: they are found by inode
+            sb.sdir = sdir
+            sb.cg = sb.cg.rename(f"{self.cgroup_parent}/{info.id}")
+            sb.cg.set_cpu(spec.cpu)
+            await self.resume(sb)
+            done = await sb.chan.exec(f"hostname {shlex.quote(info.id)} && echo {spec.pids_max} > /sys/fs/cgroup/sandbox/pids.max "
+                                      f"&& /bin/busybox date -s @{int(time.time())} >/dev/null\n", b"", 10, 4096)
+            if done.exit_code != 0:
+                raise Internal(f"warm guest {old} could not take {info.id}: {done.stderr.decode(errors='replace').strip()}")
+        except BaseException:
+            await asyncio.shield(self.destroy(sb))
+            raise
+        sb.info, sb.spec, sb.warm_id = info, spec, old
+        return sb
+
+    @staticmethod
+    def _make_cgroup(cg: cgroups.Cgroups, cpu: float, memory_mb: int) -> None:
+        cg.make()
+        cg.set_limits(cpu, memory_mb, QEMU_TASKS)
+
+    @staticmethod
+    def _why(sdir: str) -> str:
+        """The end of QEMU's log and the guest's console, for an error."""
+        out = []
+        for name in ("qemu.log", "console.log"):
+            with contextlib.suppress(OSError), open(f"{sdir}/{name}", errors="replace") as f:
+                text = f.read()[-400:].strip()
+                if text:
+                    out.append(f"{name}: {text}")
+        return "; ".join(out) or "no output"
+
+    def watch_exit(self, sb: Sandbox, callback: Callable[[Sandbox], None]) -> None:
+        assert isinstance(sb, MicrovmSandbox)
+
+        async def watch() -> None:
+            await sb.proc.wait()
+            if not sb.destroying:
+                callback(sb)
+
+        sb.exit_watch = asyncio.create_task(watch())
+
+    async def destroy(self, sb: Sandbox) -> None:
+        assert isinstance(sb, MicrovmSandbox)
+        sb.destroying = True
+        await sb.chan.close()
+        if sb.exit_watch is not None:
+            sb.exit_watch.cancel()
+            with contextlib.suppress(BaseException):
+                await sb.exit_watch
+        await self._teardown(sb.id, sb.sdir, sb.cg, sb.proc, sb.layers)
+
+    async def _teardown(self, sid: str, sdir: str, cg: cgroups.Cgroups, proc: asyncio.subprocess.Process | None,
+                        layers: list[str]) -> None:
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        await asyncio.to_thread(self._remove, sdir, cg)
+        await self.layers.release_files(layers)
+
+    @staticmethod
+    def _remove(sdir: str, cg: cgroups.Cgroups) -> None:
+        cg.destroy(timeout=10)
+        shutil.rmtree(sdir, ignore_errors=True)
+
+    async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
+        """A predecessor's guests are not adopted (their agent channels are gone with it): each is
+        killed through its cgroup and its files removed, its layers given back to the loader."""
+        report = AdoptReport()
+        for sid in sorted(os.listdir(self.sandboxes_dir)) if os.path.isdir(self.sandboxes_dir) else []:
+            sdir = f"{self.sandboxes_dir}/{sid}"
+            layers: list[str] = []
+            with contextlib.suppress(OSError, ValueError), open(f"{sdir}/layers.json") as f:
+                layers = list(json.load(f))
+            await asyncio.to_thread(self._remove, sdir, cgroups.Cgroups(f"{self.cgroup_parent}/{sid}"))
+            if layers:
+                await self.layers.release_files(layers)
+            report.cleaned.append(sid)
+        await asyncio.to_thread(cgroups.Cgroups(self.cgroup_parent).destroy, 5)
+        return [], report
+
+    # ------------------------------------------------------------------ operations
+
+    async def exec(self, sb: Sandbox, req: ExecRequest, on_chunk: ChunkCallback | None) -> ExecResult:
+        assert isinstance(sb, MicrovmSandbox)
+        if sb.paused:
+            raise Conflict(f"sandbox {sb.id} is paused; resume it before exec")
+        if req.harness:
+            raise InvalidRequest(f"harness execs are not available on {self.name} sandboxes yet (no separate grader user)")
+        for k in req.env:
+            if not k or "=" in k or "\0" in k:
+                raise InvalidRequest(f"invalid environment variable name {k!r}")
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        if any("\0" in s for s in (*argv, *req.env.values(), req.cwd or "")):
+            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+        cwd = req.cwd or sb.spec.workdir or "/"
+        if not cwd.startswith("/"):
+            cwd = "/" + cwd
+        t0 = time.perf_counter()
+        if req.session:
+            done = await self._session_exec(sb, req, on_chunk)
+        else:
+            done = await sb.chan.exec(exec_script(argv, {**DEFAULT_ENV, **sb.spec.env, **req.env}, cwd),
+                                      req.stdin.encode(), req.timeout_s, req.max_output_bytes, on_chunk)
+        stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        code = 137 if done.timed_out else done.exit_code
+        return ExecResult(exit_code=code, stdout=stdout, stderr=result_stderr(stderr, sb.spec, req, False, done.timed_out),
+                          duration_ms=(time.perf_counter() - t0) * 1000, timed_out=done.timed_out,
+                          truncated=max(done.out_size, done.err_size) > req.max_output_bytes,
+                          signal=signal.SIGKILL.value if done.timed_out else (code - 128 if code > 128 else None))
+
+    async def _session_exec(self, sb: MicrovmSandbox, req: ExecRequest, on_chunk: ChunkCallback | None) -> ExecDone:
+        """As on `container` (sessions.py): one shell per name whose cwd and exports carry over;
+        the call's cwd and env applied in it before the command; a timeout kills the session,
+        and the next call starts a new one."""
+        shell = SHELLS[req.shell]
+        if req.shell != "sh" and (await sb.chan.read_file(shell, 0)).rc != 0:
+            raise InvalidRequest(f"a {req.shell} session needs {shell} in the image, and {sb.spec.image} has none")
+        pre = [f"cd -- {shlex.quote(req.cwd)}"] if req.cwd else []
+        pre += [f"export {k}={shlex.quote(v)}" for k, v in req.env.items()]
+        call = SessionCall(name=req.session, pre=" && ".join(pre) or "true",
+                           start=session_script(shell, {**DEFAULT_ENV, **sb.spec.env}, sb.spec.workdir or "/"))
+        script = req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
+        async with sb.session_locks[req.session]:
+            return await sb.chan.exec(script + "\n", req.stdin.encode(), req.timeout_s, req.max_output_bytes, on_chunk, call)
+
+    async def read_file(self, sb: Sandbox, path: str, max_bytes: int) -> tuple[bytes, int]:
+        assert isinstance(sb, MicrovmSandbox)
+        a = await sb.chan.read_file(_absolute(path), max_bytes + 1)
+        if a.rc == 1:
+            raise NotFound(f"no such file in the sandbox: {path}")
+        if a.rc == 2:
+            raise InvalidRequest(f"{path} is a directory")
+        if a.rc == 4:
+            raise InvalidRequest(f"{path} is not a regular file")
+        if len(a.data) > max_bytes:
+            raise InvalidRequest(f"{path} is more than max_bytes={max_bytes}")
+        return a.data, a.mode
+
+    async def write_file(self, sb: Sandbox, path: str, data: bytes, mode: int, make_parents: bool) -> None:
+        assert isinstance(sb, MicrovmSandbox)
+        a = await sb.chan.write_file(_absolute(path), data, mode, make_parents)
+        if a.rc == 1:
+            raise NotFound(f"the directory of {path} does not exist in the sandbox")
+        if a.rc == 4:
+            raise InvalidRequest(f"{path} is not a regular file")
+        if a.rc != 0:
+            text = a.data.decode(errors="replace").strip()
+            if "No space left" in text:
+                raise InvalidRequest(f"no space left in the sandbox for {path} (disk_mb={sb.spec.disk_mb})")
+            raise InvalidRequest(f"cannot write {path} in the sandbox: {text or 'failed'}")
+
+    async def pause(self, sb: Sandbox) -> None:
+        assert isinstance(sb, MicrovmSandbox)
+        await self._qmp(sb, "stop")
+        sb.paused = True
+
+    async def resume(self, sb: Sandbox) -> None:
+        assert isinstance(sb, MicrovmSandbox)
+        await self._qmp(sb, "cont")
+        sb.paused = False
+
+    async def _qmp(self, sb: MicrovmSandbox, command: str) -> None:
+        """One QMP command on the guest's monitor socket (a connection each: pause and resume are rare)."""
+        reader, writer = await asyncio.open_unix_connection(f"{sb.sdir}/qmp.sock")
+        try:
+            async with asyncio.timeout(10):
+                await reader.readline()  # the greeting
+                for cmd in ("qmp_capabilities", command):
+                    writer.write(json.dumps({"execute": cmd}).encode() + b"\n")
+                    await writer.drain()
+                    while True:
+                        answer = json.loads(await reader.readline() or b"{}")
+                        if "return" in answer:
+                            break
+                        if "error" in answer or not answer:
+                            raise Internal(f"QEMU refused {cmd} for {sb.id}: {answer.get('error', 'no answer')}")
+        finally:
+            writer.close()
+
+    async def usage(self, sb: Sandbox) -> Usage:
+        assert isinstance(sb, MicrovmSandbox)
+        return Usage(cpu_ns=sb.cg.cpu_usage_ns(), memory_bytes=sb.cg.memory_bytes(), pids=sb.cg.pids_current())
+
+    def limit_counters(self, sb: Sandbox) -> tuple[int, int, str] | None:
+        return None  # the host cgroup holds QEMU, not the guest's processes: its counters say nothing of them
+
+    def audit_root(self, sb: Sandbox) -> str | None:
+        return None
+
+
+@functools.cache
+def host_tsc_khz() -> int:
+    """The host's TSC rate in kHz (0: unknown, or not constant)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return 0
+    if " constant_tsc" not in info:
+        return 0
+    for line in info.splitlines():
+        if line.startswith("cpu MHz"):
+            return int(float(line.split(":")[1]) * 1000)
+    return 0
+
+
+def _vcpus(cpu: float) -> int:
+    return max(1, math.ceil(cpu))
+
+
+def _absolute(path: str) -> str:
+    if "\0" in path:
+        raise InvalidRequest("path must not contain NUL bytes")
+    return path if path.startswith("/") else "/" + path

@@ -1,0 +1,283 @@
+"""The microvm and vm substrates: each sandbox a QEMU guest (`-M microvm`, or a q35 PC) with a
+kernel of its own (TCG here, where nested KVM does not run a vCPU; see substrates/microvm.py). The
+same contract as a container for what they offer (exec, stdin, cwd, env, timeouts, files, disk_mb,
+pause), a clear error for what they do not offer yet, and nothing left behind; every test runs on
+both."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from corral_common.contract import subjects
+from corral_common.contract.messages import Event, ExecChunk, ExecResult
+from corral_node_agent.substrates.microvm_guest import find_kernel
+from corral_sdk import AsyncClient, Conflict, InvalidRequest, NotFound
+
+from .. import leaks
+from ..conftest import running_stack
+from .test_warm_pool import Heartbeats
+
+
+@pytest_asyncio.fixture(scope="module")
+async def vm_stack():
+    # what `corral up --microvm --vm --warm-pool microvm:busybox=1 --warm-pool vm:busybox=1` starts
+    async with running_stack(monitor=False, microvm=True, vm=True,
+                             node_args=["--warm-pool", "microvm:busybox=1", "--warm-pool", "vm:busybox=1"]) as s:
+        c = await AsyncClient.connect(s.url)
+        yield s, c
+        await c.close()
+
+
+@pytest.fixture(scope="module", params=["microvm", "vm"])
+def substrate(request) -> str:
+    return request.param
+
+
+@pytest_asyncio.fixture(scope="module")
+async def guest(vm_stack, substrate):
+    _, c = vm_stack
+    sb = await c.create(image="busybox", substrate=substrate, memory_mb=128, disk_mb=16)
+    yield sb
+    with contextlib.suppress(NotFound):
+        await sb.destroy()
+
+
+async def test_a_guest_has_a_kernel_and_processes_of_its_own(guest, substrate):
+    r = await guest.exec("uname -r; cat /proc/1/cmdline | tr '\\0' ' '; echo; ps -o args | grep -c -e '[n]ats-server' -e '[p]ython'; hostname")
+    release, init, host_procs, hostname = r.stdout.strip().split("\n")
+    assert release == find_kernel()[1], r  # the distribution's kernel package, not the host's kernel
+    assert init.strip() == "/bin/sh /init", r  # PID 1 is the guest's init, not anything of the host's
+    assert host_procs == "0", r  # the host's processes (this test, the stack's services) are not there to see
+    assert hostname == guest.id
+    r = await guest.exec("ls /sys/class/net")
+    assert r.stdout.split() == ["lo"], r  # no network device: network none
+    r = await guest.exec("ls /sys/bus/pci/devices 2>/dev/null | wc -l")
+    assert (int(r.stdout) > 0) == (substrate == "vm"), r  # a q35 PC has a PCI bus; a microvm has none
+
+
+async def test_exec_keeps_the_contract(guest):
+    r = await guest.exec("echo out; echo err >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n"), r
+    r = await guest.exec(["/bin/sh", "-c", 'echo "$A|$1"', "x", "arg one"], env={"A": "b c"})
+    assert r.stdout == "b c|arg one\n", r
+    r = await guest.exec("cat; pwd", stdin="line\n", cwd="/etc")
+    assert r.stdout == "line\n/etc\n", r
+    r = await guest.exec("true", cwd="/no/such/dir")
+    assert r.exit_code == 126 and "/no/such/dir" in r.stderr, r
+    r = await guest.exec(["no-such-command"])
+    assert r.exit_code == 127 and "no-such-command" in r.stderr, r
+    r = await guest.exec("head -c 300000 /dev/zero | tr '\\0' x", max_output_bytes=1000)
+    assert r.truncated and r.stdout == "x" * 1000, (r.truncated, len(r.stdout))
+
+
+async def test_a_timeout_kills_the_exec_and_its_children_but_not_the_guest(guest):
+    r = await guest.exec("sleep 300 & sleep 301; echo never", timeout_s=1)
+    assert r.timed_out and r.exit_code == 137 and "never" not in r.stdout and "timed out" in r.stderr, r
+    r = await guest.exec("ps -o args | grep -c '^sleep 30[01]'")
+    assert r.stdout.strip() == "0", r
+    r = await guest.exec("sleep 200 >/dev/null 2>&1 & echo started")  # a background process does not hold the exec
+    assert r.exit_code == 0 and r.stdout == "started\n", r
+    r = await asyncio.wait_for(guest.exec("echo alive"), 30)
+    assert r.stdout == "alive\n"
+
+
+async def test_an_exec_that_kills_the_guests_timer_still_times_out(guest):
+    """Code in the guest is root there and can kill the agent's timer: the node's own deadline
+    (timeout + a grace) still ends the exec and has its processes killed."""
+    kill_timers = "for p in $(pidof sleep); do kill -9 $(cut -d' ' -f4 /proc/$p/stat) $p; done 2>/dev/null"
+    r = await asyncio.wait_for(guest.exec(f"sleep 0.3; {kill_timers}; sleep 77", timeout_s=1), 30)
+    assert r.timed_out and r.exit_code == 137, r
+    assert r.duration_ms >= 5000, r  # ended by the node's deadline: the guest's timer was gone
+    for _ in range(50):  # the kill is sent as the node gives up: it lands a moment later
+        r = await guest.exec("ps -o args | grep -c '^sleep 77'")
+        if r.stdout.strip() == "0":
+            break
+        await asyncio.sleep(0.1)
+    assert r.stdout.strip() == "0", r
+
+
+async def test_files_round_trip_and_disk_mb_binds(guest):
+    data = bytes(range(256)) * 40
+    await guest.files.write("/work/deep/f.bin", data, mode=0o640)  # parents made
+    assert await guest.files.read("/work/deep/f.bin") == data
+    r = await guest.exec("stat -c %a /work/deep/f.bin; od -An -tx1 -N4 /work/deep/f.bin")
+    assert r.stdout.split() == ["640", "00", "01", "02", "03"], r
+    with pytest.raises(NotFound):
+        await guest.files.read("/no/such/file")
+    with pytest.raises(InvalidRequest):
+        await guest.files.write("/etc/passwd/f", b"x")  # under a file
+    with pytest.raises(InvalidRequest):
+        await guest.files.read("/etc")
+    r = await guest.exec("mkfifo /tmp/pipe")
+    with pytest.raises(InvalidRequest, match="regular"):  # a FIFO would hold the agent's reader forever
+        await guest.files.read("/tmp/pipe")
+    with pytest.raises(InvalidRequest, match="regular"):
+        await guest.files.write("/tmp/pipe", b"x")
+    with pytest.raises(InvalidRequest, match="max_bytes"):
+        await guest.files.read("/work/deep/f.bin", max_bytes=100)
+    r = await guest.exec("dd if=/dev/zero of=/big bs=1M count=40; echo rc=$?")
+    assert "rc=0" not in r.stdout and "No space left" in r.stderr, r  # disk_mb=16
+    r = await guest.exec("rm /big; echo ok")
+    assert r.stdout == "ok\n", r
+
+
+async def test_a_write_holds_while_the_sandbox_removes_the_file(guest):
+    """A write sets the mode and the data through one descriptor, as on `container`: the
+    sandbox deleting the path meanwhile (here in a loop) cannot fail it halfway (the agent once
+    chmod-ed by path after writing, and such a write failed)."""
+    loop = asyncio.create_task(guest.exec("while [ ! -e /tmp/stop ]; do rm -f /tmp/raced; done; rm /tmp/stop; echo n", timeout_s=60))
+    try:
+        for i in range(30):
+            await guest.files.write("/tmp/raced", b"x" * i, mode=0o600)
+    finally:
+        await guest.files.write("/tmp/stop", b"")
+        assert (await loop).stdout == "n\n"
+
+
+async def test_a_streaming_exec_sends_output_before_it_ends(guest):
+    """The command waits for a file the test writes only once it has seen the first line: were
+    output sent only at the end, it would run into its timeout instead."""
+    items = []
+    async for item in guest.exec_stream("echo first; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo second >&2; echo third; rm /tmp/go",
+                                        timeout_s=60):
+        items.append(item)
+        if isinstance(item, ExecChunk) and "first" in item.data:
+            await guest.files.write("/tmp/go", b"")
+    result, chunks = items[-1], items[:-1]
+    assert isinstance(result, ExecResult) and not result.timed_out, result
+    assert "".join(c.data for c in chunks if c.stream == "stdout") == "first\nthird\n" == result.stdout, items
+    assert "".join(c.data for c in chunks if c.stream == "stderr") == "second\n" == result.stderr, items
+
+
+async def test_sessions_keep_their_shell_until_one_times_out(guest):
+    """As on `container` (test_substrates.py::test_sessions): cwd and exports carry over within
+    a session, not across; stdin and exit codes per call; a timeout kills the session's
+    processes and the next call starts afresh; `exit` ends the session."""
+    await guest.exec("mkdir -p /w && cd /w && export K=v1", session="a")
+    assert (await guest.exec("pwd; echo $K", session="a")).stdout == "/w\nv1\n"
+    assert (await guest.exec("pwd; echo ${K:-unset}", session="b")).stdout == "/\nunset\n"
+    assert (await guest.exec("pwd; echo ${K:-unset}")).stdout == "/\nunset\n"
+    r = await guest.exec("read x; echo got $x; echo err >&2; false", session="a", stdin="hello\n")
+    assert (r.stdout, r.stderr, r.exit_code) == ("got hello\n", "err\n", 1), r
+    r = await guest.exec("echo $K-$L; pwd", session="a", cwd="/tmp", env={"L": "two words"})
+    assert r.stdout == "v1-two words\n/tmp\n", r
+    tok = secrets.randbelow(90000) + 10000
+    r = await guest.exec(f"sleep {tok} & sleep {tok + 1}", session="a", timeout_s=1)
+    assert r.timed_out and r.exit_code == 137, r
+    r = await guest.exec(f"ps -o args | grep -c '[s]leep {tok}'; pwd; echo ${{K:-fresh}}", session="a")
+    assert r.stdout == "0\n/\nfresh\n", r  # the killed session's processes are gone; it started afresh
+    r = await guest.exec("exit 7", session="c")
+    assert r.exit_code == 7, r
+    assert (await guest.exec("echo again", session="c")).stdout == "again\n"
+    with pytest.raises(InvalidRequest, match="bash"):  # busybox has no bash
+        await guest.exec("true", session="d", shell="bash")
+
+
+async def test_pause_refuses_exec_until_resumed(guest):
+    await guest.pause()
+    try:
+        with pytest.raises(Conflict):
+            await guest.exec("true")
+    finally:
+        await guest.resume()
+    assert (await guest.exec("echo back")).stdout == "back\n"
+
+
+async def test_what_a_guest_cannot_do_yet_is_refused_clearly(vm_stack, guest, substrate):
+    _, c = vm_stack
+    with pytest.raises(InvalidRequest, match="harness"):
+        await guest.exec("true", harness=True)
+    with pytest.raises(InvalidRequest, match=substrate):
+        await c.create(image="busybox", substrate=substrate, fork_of=guest.id)
+    with pytest.raises(InvalidRequest):
+        await guest.snapshot(memory=True)
+
+
+async def test_memory_is_the_guests_and_an_oom_ends_only_the_process(vm_stack, substrate):
+    _, c = vm_stack
+    sb = await c.create(image="busybox", substrate=substrate, memory_mb=96, disk_mb=8)
+    try:
+        r = await sb.exec("free -m | awk '/Mem:/ {print $2}'")
+        assert 96 <= int(r.stdout) <= 96 + 8 + 64, r  # memory_mb + disk_mb + the guest's base share
+        r = await sb.exec('dd if=/dev/zero of=/dev/null bs=400M count=1; echo "dd=$? survived"', timeout_s=60)
+        assert "dd=0" not in r.stdout and "survived" in r.stdout, r  # dd is refused or killed; the shell goes on
+        assert (await sb.exec("echo fine")).stdout == "fine\n"
+    finally:
+        await sb.destroy()
+
+
+async def test_pids_max_caps_the_sandboxs_processes_in_the_guest(vm_stack, substrate):
+    _, c = vm_stack
+    sb = await c.create(image="busybox", substrate=substrate, pids_max=16)
+    try:
+        r = await sb.exec("for i in $(seq 40); do sleep 2 & done; wait", timeout_s=20)
+        assert "can't fork" in r.stderr, r  # forks past the cap fail
+        await asyncio.sleep(2.5)  # the sleeps that did start end
+        r = await sb.exec("for i in $(seq 8); do sleep 0.1 & done; wait; echo fine", timeout_s=20)
+        assert r.stdout == "fine\n", r  # and the guest goes on
+    finally:
+        await sb.destroy()
+
+
+async def test_a_guest_that_powers_off_ends_and_nothing_is_left(vm_stack, substrate):
+    st, c = vm_stack
+    sb = await c.create(image="busybox", substrate=substrate)
+    with contextlib.suppress(Exception):  # the guest may go before it answers
+        await sb.exec("poweroff -f", timeout_s=10)
+    state = "running"
+    for _ in range(200):
+        try:
+            state = (await sb.refresh()).state
+        except NotFound:
+            state = "destroyed"
+        if state == "destroyed":
+            break
+        await asyncio.sleep(0.1)
+    assert state == "destroyed", state
+    left = leaks.node_leftovers(st.data_dir, "node-1")
+    assert not [d for d in left["sandbox_dirs"] if d == sb.id] and not [g for g in left["guests"] if sb.id in g], left
+
+
+async def test_a_pooled_create_claims_a_booted_guest_that_is_the_sandboxs_own(vm_stack, substrate):
+    """A create with the default sizes claims a guest the pool booted and stopped ahead: it
+    answers as the claimed sandbox (host name, clock, pids_max) and the pool boots a new one."""
+    st, c = vm_stack
+    hbs = Heartbeats(c.nc)
+    key = f"{substrate}:busybox"
+    await hbs.until(lambda hb: hb.warm.get(key, 0) >= 1, timeout=120, what=f"a warm {substrate} guest")
+    warm = [d for d in os.listdir(f"{st.data_dir}/nodes/node-1/{substrate}") if d.startswith("wp-")]
+    assert len(warm) == 1, warm
+    events: list[Event] = []
+
+    async def on_event(m) -> None:
+        events.append(msgspec.json.decode(m.data, type=Event))
+
+    esub = await c.nc.subscribe(subjects.SANDBOX_EVENTS_ALL, cb=on_event)
+    sb = await c.create(image="busybox", substrate=substrate, pids_max=16)
+    try:
+        r = await sb.exec("hostname; date +%s; cat /proc/uptime")
+        hostname, now, uptime = r.stdout.split("\n")[:3]
+        assert hostname == sb.id, r  # not the warm id it booted under
+        assert abs(int(now) - time.time()) < 30, r  # the clock stood still while the guest was stopped; set at the claim
+        await asyncio.sleep(0.5)
+        created = [e for e in events if e.kind == "created" and e.sandbox_id == sb.id]
+        assert created and created[0].reason == "claimed from the warm pool", events
+        assert not os.path.exists(f"{st.data_dir}/nodes/node-1/{substrate}/{warm[0]}")
+        r = await sb.exec("for i in $(seq 40); do sleep 2 & done; wait", timeout_s=20)
+        assert "can't fork" in r.stderr, r  # the claim's pids_max, not the warm guest's
+        # a create the warm guests cannot serve (other RAM) boots cold
+        other = await c.create(image="busybox", substrate=substrate, memory_mb=128, disk_mb=16)
+        await other.destroy()
+        await asyncio.sleep(0.5)
+        assert [e.reason for e in events if e.kind == "created" and e.sandbox_id == other.id] == [""], events
+    finally:
+        await esub.unsubscribe()
+        await sb.destroy()
+    await hbs.until(lambda hb: hb.warm.get(key, 0) >= 1, timeout=120, what=f"the {substrate} pool refilled")
