@@ -87,8 +87,12 @@ sess() {
         mkdir -p "$s"
         mkfifo "$s/q"
         echo "${6#-}" | base64 -d > "$s/start"
-        setsid sh -c 'sh "$1/start" 0<>"$1/q" >/dev/null 2>&1; echo $? > "$1/x.t"; mv "$1/x.t" "$1/x"' corral-session "$s" &
+        # the session holds its FIFO open before the first call is written into it: a call
+        # written while nobody has it open is dropped with the pipe when the writer closes it
+        setsid sh -c 'exec 0<>"$1/q"; : > "$1/up"; sh "$1/start" >/dev/null 2>&1; echo $? > "$1/x.t"; mv "$1/x.t" "$1/x"' \
+            corral-session "$s" &
         echo $! > "$s/p"
+        while [ ! -e "$s/up" ] && kill -0 "$!" 2>/dev/null; do sleep 0.01; done
     fi
     p=$(cat "$s/p")
     echo "$p" > "$R/x$1/p"

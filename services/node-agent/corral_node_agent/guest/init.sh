@@ -11,6 +11,9 @@ for m in $(cat /lib/modules/order); do
     insmod "/lib/modules/$m" || echo "corral-init: insmod $m failed"
 done
 if grep -q corral_probe=1 /proc/cmdline; then echo corral-probe-ok; poweroff -f; fi
+# where the boot got to, on the console (its end is in a failed create's error)
+stage() { read -r up _ < /proc/uptime; echo "corral-init: $* (${up} s)"; }
+stage "modules loaded"
 arg() { sed -n "s/.*corral_$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
 fail() { echo "corral-init: $*"; poweroff -f; }
 disk=$(arg disk)
@@ -32,6 +35,7 @@ while [ "$i" -lt "$layers" ]; do
     lower="/mnt/l$i${lower:+:$lower}"
     i=$((i + 1))
 done
+stage "layers mounted"
 mount -t overlay root -o "lowerdir=$lower,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work" /mnt/root || fail "no overlay root"
 cd /mnt/root || fail "no root"
 mkdir -p proc sys dev tmp .corral
@@ -48,5 +52,6 @@ mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
 echo +pids > /sys/fs/cgroup/cgroup.subtree_control
 mkdir /sys/fs/cgroup/sandbox
 echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
+stage "agent starting"
 /bin/sh /agent.sh
 fail "the guest agent ended"
