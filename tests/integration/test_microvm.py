@@ -196,8 +196,8 @@ async def test_what_a_guest_cannot_do_yet_is_refused_clearly(vm_stack, guest, su
         await guest.exec("true", harness=True)
     with pytest.raises(InvalidRequest, match=substrate):
         await c.create(image="busybox", substrate=substrate, fork_of=guest.id)
-    with pytest.raises(InvalidRequest):
-        await guest.snapshot(memory=True)
+    with pytest.raises(InvalidRequest, match="cannot snapshot"):  # its files alone: its memory holds them
+        await guest.snapshot()
 
 
 async def test_memory_is_the_guests_and_an_oom_ends_only_the_process(vm_stack, substrate):
@@ -281,3 +281,47 @@ async def test_a_pooled_create_claims_a_booted_guest_that_is_the_sandboxs_own(vm
         await esub.unsubscribe()
         await sb.destroy()
     await hbs.until(lambda hb: hb.warm.get(key, 0) >= 1, timeout=120, what=f"the {substrate} pool refilled")
+
+
+async def test_a_memory_snapshot_resumes_its_running_processes_in_every_copy(vm_stack, substrate):
+    """A process started before the snapshot runs on in each copy with its memory: a counter held
+    only in a shell variable, which answers each request on one FIFO with its next value on
+    another, goes on from where it was, in the source and in each copy on its own. The guest's files (in its RAM) come along; each copy
+    is a sandbox of its own (host name, clock)."""
+    st, c = vm_stack
+    sizes = {"memory_mb": 128, "disk_mb": 16}
+    src = await c.create(image="busybox", substrate=substrate, **sizes)
+    copies = []
+    try:
+        await src.files.write("/kept.txt", b"from before")
+        r = await src.exec("mkfifo /tmp/req /tmp/ans; (i=0; while read -r _ < /tmp/req; do i=$((i+1)); echo $i > /tmp/ans; done)"
+                           " > /dev/null 2>&1 & echo $!")
+        pid = r.stdout.strip()
+        ask = "echo > /tmp/req; cat /tmp/ans"
+        assert (await src.exec(f"{ask}; {ask}")).stdout == "1\n2\n"
+        image = await src.snapshot(memory=True)
+        assert (await src.exec(ask)).stdout == "3\n"  # the source runs on
+        reply = await c.create_batch_reply(2, image=image, substrate=substrate, **sizes)
+        assert not reply.failed, reply.failed
+        copies = [c.sandbox(i.id) for i in reply.sandboxes]
+        for cp in copies:
+            r = await cp.exec(f"{ask}; cat /kept.txt; echo; kill -0 {pid} && echo alive; hostname; date +%s")
+            counter, kept, alive, hostname, now = r.stdout.split("\n")[:5]
+            assert (counter, kept, alive, hostname) == ("3", "from before", "alive", cp.id), r
+            assert abs(int(now) - time.time()) < 30, r  # the clock set at the resume, not the snapshot's
+            assert (await cp.exec(ask)).stdout == "4\n"  # its own counter: the other copy's reads do not count
+        # what cannot resume it is refused before anything starts
+        with pytest.raises(InvalidRequest, match="memory_mb=128"):
+            await c.create(image=image, substrate=substrate, memory_mb=256, disk_mb=16)
+        with pytest.raises(InvalidRequest, match=f"substrate {substrate!r}"):
+            await c.create(image=image, substrate="container")
+        other = "vm" if substrate == "microvm" else "microvm"
+        with pytest.raises(InvalidRequest, match=f"a {substrate} guest"):
+            await c.create(image=image, substrate=other, **sizes)
+    finally:
+        for sb in (src, *copies):
+            await sb.destroy()
+    left = leaks.node_leftovers(st.data_dir, "node-1")
+    ids = {sb.id for sb in (src, *copies)}
+    assert not ids & set(left["sandbox_dirs"]) and not [g for g in left["guests"] if any(i in g for i in ids)], left
+

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from typing import BinaryIO
 
 import msgspec
 from nats.js import JetStreamContext
@@ -25,7 +26,7 @@ from nats.js.object_store import ObjectStore
 
 from . import config
 from .contract.errors import Internal, InvalidRequest, NotFound
-from .contract.images import CHUNK_BUCKET, DEFAULT_CHUNK, KV_IMAGES, KV_LAYERS, KV_TRACES, MAX_CHUNK, MIN_CHUNK, ImageManifest, LayerManifest, Trace
+from .contract.images import CHUNK_BUCKET, DEFAULT_CHUNK, KV_IMAGES, KV_LAYERS, KV_TRACES, MAX_CHUNK, MEDIA_EROFS, MIN_CHUNK, ImageManifest, LayerManifest, Trace
 
 EROFS_UUID = "c0a11a00-0000-4000-8000-000000000001"
 IMAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -189,26 +190,34 @@ def mkfs_erofs(src_dir: str, out_file: str, exclude: list[str] | None = None) ->
 async def chunk_layer_file(img: str, backend: ChunkBackend, chunk_size: int = DEFAULT_CHUNK, source: str = "",
                            progress: Progress | None = None) -> tuple[LayerManifest, int]:
     """Cut an EROFS file into chunks, upload the ones the store lacks, return its manifest."""
+    with open(img, "rb") as f:
+        return await chunk_stream(f, backend, chunk_size, source, MEDIA_EROFS, progress, os.path.getsize(img))
+
+
+async def chunk_stream(f: BinaryIO, backend: ChunkBackend, chunk_size: int = DEFAULT_CHUNK, source: str = "",
+                       media_type: str = MEDIA_EROFS, progress: Progress | None = None, size_hint: int = 0) -> tuple[LayerManifest, int]:
+    """Chunk and upload what `f` gives until its end; it may be a pipe (a guest's memory as QEMU
+    writes it), so the size is what was read. Returns the manifest and the bytes uploaded."""
     check_chunk_size(chunk_size)
-    size = os.path.getsize(img)
+    size = 0
     whole = hashlib.sha256()
     chunks: list[str] = []
     uploaded = 0
-    with open(img, "rb") as f:
-        while True:
-            data = await asyncio.to_thread(f.read, chunk_size)
-            if not data:
-                break
-            whole.update(data)
-            h = hashlib.sha256(data).hexdigest()
-            chunks.append(h)
-            if not await backend.has(h):
-                await backend.put(h, data)
-                uploaded += len(data)
-            if progress:
-                progress("upload", min(1.0, len(chunks) * chunk_size / max(size, 1)))
+    while True:
+        data = await asyncio.to_thread(f.read, chunk_size)
+        if not data:
+            break
+        size += len(data)
+        whole.update(data)
+        h = hashlib.sha256(data).hexdigest()
+        chunks.append(h)
+        if not await backend.has(h):
+            await backend.put(h, data)
+            uploaded += len(data)
+        if progress:
+            progress("upload", min(1.0, size / max(size_hint, 1)))
     m = LayerManifest(digest=f"sha256-{whole.hexdigest()}", size=size, chunk_size=chunk_size, chunks=chunks,
-                      created_at=time.time(), source=source)
+                      created_at=time.time(), source=source, media_type=media_type)
     return m, uploaded
 
 

@@ -465,7 +465,8 @@ class AsyncSandbox:
 
     async def snapshot(self, name: str = "", labels: dict[str, str] | None = None, *, memory: bool = False) -> str:
         """Snapshot the sandbox's filesystem as an image; returns the image name. `memory=True`:
-        its processes' memory too, where the substrate can (none can yet: invalid_request)."""
+        the whole running guest (microvm, vm): a create of the image with the same substrate and
+        sizes resumes its processes where they were; other substrates answer invalid_request."""
         r = await self._call("snapshot", SnapshotRequest(name=name, labels=labels or {}, memory=memory), SnapshotReply, timeout=600)
         return r.image.name
 

@@ -18,6 +18,9 @@ from corral_common import bus, logs, metrics, tenancy
 from corral_common.contract import subjects
 from corral_common.contract.errors import InvalidRequest, NotFound
 from corral_common.contract.images import (
+    MEDIA_EROFS,
+    MEDIA_GUEST_MEMORY,
+    GuestMemory,
     ImageDeleteReply,
     ImageListReply,
     ImageManifest,
@@ -145,12 +148,17 @@ class ImageCache:
             m = await self._ensure_builtin(req.name, build=True)
             assert m is not None
             return m, [await self.catalog.layer(d) for d in m.layers], 0
+        memory: GuestMemory | None = None
         if src == "snapshot":  # a node-agent built the layer and uploaded its chunks: register it
             top = _snapshot_layer(req)
             for d in req.layers:
                 await self.catalog.layer(d)
             new.append(top)
-            layers = base_layers + list(req.layers) + [top.digest]
+            layers = base_layers + list(req.layers)
+            if req.memory is None:
+                layers.append(top.digest)
+            else:  # a guest's memory: named by the image's `memory`, not a layer of its files
+                memory = req.memory
         elif src == "layers":
             if not req.layers:
                 raise InvalidRequest("source 'layers' needs a non-empty `layers` list of digests")
@@ -186,8 +194,9 @@ class ImageCache:
         for d in layers:
             if d not in sizes:
                 sizes[d] = (await self.catalog.layer(d)).size
-        image = ImageManifest(name=req.name, layers=layers, created_at=time.time(), size=sum(sizes[d] for d in layers),
-                              labels=req.labels, parent=req.parent or req.base)
+        size = sum(sizes[d] for d in layers) + (sizes[memory.layer] if memory else 0)
+        image = ImageManifest(name=req.name, layers=layers, created_at=time.time(), size=size,
+                              labels=req.labels, parent=req.parent or req.base, memory=memory)
         await self.catalog.put_image(image)
         UPLOADED.inc(uploaded)
         IMPORTS.labels(src).inc()
@@ -249,7 +258,10 @@ class ImageCache:
         now = time.time()
         used_layers: set[str] = set()
         for n in await self.catalog.image_names():
-            used_layers.update((await self.catalog.image(n)).layers)
+            image = await self.catalog.image(n)
+            used_layers.update(image.layers)
+            if image.memory is not None:
+                used_layers.add(image.memory.layer)
         # every layer, or no collection: a layer left out of the list would lose its chunks
         all_layers = await bus.kv_keys(self.catalog.layers)
         keep_chunks: set[str] = set()
@@ -289,6 +301,11 @@ def _snapshot_layer(req: ImportRequest) -> LayerManifest:
         raise InvalidRequest(f"snapshot layer {m.digest!r} is malformed (size {m.size}, chunk_size {m.chunk_size}, {len(m.chunks)} chunks)")
     if not m.source.startswith("snapshot:"):
         raise InvalidRequest(f"snapshot layer source must be 'snapshot:<sandbox>', not {m.source!r}")
+    want = MEDIA_EROFS if req.memory is None else MEDIA_GUEST_MEMORY
+    if m.media_type != want:
+        raise InvalidRequest(f"snapshot layer {m.digest} is {m.media_type!r}; a {'memory' if req.memory else 'file'} snapshot's is {want!r}")
+    if req.memory is not None and req.memory.layer != m.digest:
+        raise InvalidRequest(f"memory.layer {req.memory.layer!r} is not the snapshot layer {m.digest}")
     return m
 
 

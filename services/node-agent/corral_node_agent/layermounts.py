@@ -18,12 +18,23 @@ from nats.errors import TimeoutError as NatsTimeout
 from corral_common import linux
 from corral_common.contract import subjects
 from corral_common.contract.envelope import R, decode_reply
-from corral_common.contract.errors import Unavailable
-from corral_common.contract.images import LoaderPrepare, LoaderRelease, LoaderStats, PrepareReply, ReleaseReply
+from corral_common.contract.errors import InvalidRequest, Unavailable
+from corral_common.contract.images import GuestMemory, LoaderPrepare, LoaderRelease, LoaderStats, PrepareReply, ReleaseReply
 from corral_common.contract.messages import Empty, encoder
 from corral_common.layers import Catalog
 
 log = logging.getLogger("corral.node.layers")
+
+
+class ImageFiles(msgspec.Struct, kw_only=True):
+    paths: list[str]  # the image's layer files, bottom first
+    digests: list[str]  # what the loader prepared (the layers, then a saved guest's memory): release these
+    memory: GuestMemory | None = None  # a memory snapshot's saved guest, its stream at memory_path
+    memory_path: str = ""
+
+    @property
+    def layers(self) -> list[str]:
+        return self.digests[:len(self.paths)]
 
 
 class LayerMounts:
@@ -65,6 +76,9 @@ class LayerMounts:
     async def acquire(self, image: str) -> tuple[list[str], list[str]]:
         """Returns (lower dirs, top layer first as overlayfs wants them; layer digests bottom first)."""
         manifest = await self.catalog.image(image)
+        if manifest.memory is not None:
+            raise InvalidRequest(f"image {image!r} is a memory snapshot of a {manifest.memory.substrate} guest; "
+                                 f"create it with substrate {manifest.memory.substrate!r}")
         layers = list(manifest.layers)
         async with self.lock:
             r = await self._loader("prepare", LoaderPrepare(image=image, layers=layers), PrepareReply)
@@ -86,18 +100,20 @@ class LayerMounts:
                 raise
         return [self._dir(d) for d in reversed(layers)], layers
 
-    async def files(self, image: str) -> tuple[list[str], list[str]]:
-        """The image's layer files as the loader presents them (lazily fetched, bottom first) and
-        their digests, for a substrate that hands the files to something that mounts them itself
-        (a microvm's block devices); given back with `release_files`."""
+    async def files(self, image: str) -> ImageFiles:
+        """The image's layer files as the loader presents them (lazily fetched, bottom first), and
+        a memory snapshot's saved guest, for a substrate that hands the files to something that
+        mounts them itself (a microvm's block devices); given back with `release_files`."""
         manifest = await self.catalog.image(image)
         layers = list(manifest.layers)
-        r = await self._loader("prepare", LoaderPrepare(image=image, layers=layers), PrepareReply)
-        missing = [d for d in layers if not r.paths.get(d)]
+        wanted = layers + ([manifest.memory.layer] if manifest.memory else [])
+        r = await self._loader("prepare", LoaderPrepare(image=image, layers=wanted), PrepareReply)
+        missing = [d for d in wanted if not r.paths.get(d)]
         if missing:
-            await self._loader_release(layers)
+            await self._loader_release(wanted)
             raise Unavailable(f"the image loader did not provide layer(s) {', '.join(missing)}")
-        return [r.paths[d] for d in layers], layers
+        return ImageFiles(paths=[r.paths[d] for d in layers], digests=wanted, memory=manifest.memory,
+                          memory_path=r.paths[manifest.memory.layer] if manifest.memory else "")
 
     async def release_files(self, layers: list[str]) -> None:
         await self._loader_release(layers)

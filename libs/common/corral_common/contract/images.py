@@ -18,6 +18,12 @@ DEFAULT_CHUNK = 1 << 20
 MIN_CHUNK = 256 << 10
 MAX_CHUNK = 4 << 20
 
+#: what a layer's bytes are: an EROFS image (a filesystem layer), or a guest's memory and device
+#: state as QEMU's migration stream (a memory snapshot's, named by `GuestMemory.layer`)
+MEDIA_EROFS = "erofs"
+MEDIA_GUEST_MEMORY = "qemu-migration"
+MEDIA_TYPES = (MEDIA_EROFS, MEDIA_GUEST_MEMORY)
+
 
 class LayerManifest(msgspec.Struct, kw_only=True):
     digest: str  # "sha256-<hex of the whole EROFS file>" (a valid KV key and path component)
@@ -26,10 +32,27 @@ class LayerManifest(msgspec.Struct, kw_only=True):
     chunks: list[str]  # sha256 hex of each chunk, in order; the last one may be short
     created_at: float
     source: str = ""
-    media_type: str = "erofs"
+    media_type: str = MEDIA_EROFS
 
     def chunk_len(self, i: int) -> int:
         return min(self.chunk_size, self.size - i * self.chunk_size)
+
+
+class GuestMemory(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A running guest (microvm, vm) saved by a memory snapshot: its RAM, whose tmpfs holds its
+    writable layer, and its devices' state, as QEMU's migration stream chunked like a layer. A
+    create of the image resumes it, which needs the machine it was saved from: the substrate
+    (device layout), the guest kernel and initramfs, the accelerator, RAM and vCPUs; the image's
+    `layers` are its read-only disks again."""
+
+    layer: str  # digest of the stream (media type qemu-migration); not one of the image's `layers`
+    substrate: str
+    memory_mb: int
+    disk_mb: int
+    vcpus: int
+    guest: str  # the guest kernel and initramfs it booted (their cache tag: kernel version and scripts)
+    accel: str  # "tcg" or "kvm": a stream saved under one does not resume under the other
+    append: str  # the kernel command line it booted with, given again verbatim
 
 
 class ImageManifest(msgspec.Struct, kw_only=True):
@@ -39,6 +62,7 @@ class ImageManifest(msgspec.Struct, kw_only=True):
     size: int = 0
     labels: dict[str, str] = {}
     parent: str = ""  # the image this one was composed on, if any
+    memory: GuestMemory | None = None  # a memory snapshot's saved guest (creates resume it)
 
 
 class TraceRead(msgspec.Struct, array_like=True):
@@ -96,6 +120,9 @@ class ImportRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: of `layers`, so only the image-cache writes the catalog
     layer: LayerManifest | None = None
     parent: str = ""  # the image the new one was made from (recorded; its layers are not added)
+    #: source "snapshot" of a guest's memory: `layer` is its migration stream, registered as
+    #: `memory.layer` and not added to the image's layers (`layers` are the guest's disks)
+    memory: GuestMemory | None = None
 
 
 class NameRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

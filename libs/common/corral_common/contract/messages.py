@@ -290,8 +290,8 @@ class RestoreRequest(Request, kw_only=True):
 class SnapshotRequest(Request, kw_only=True):
     name: str = ""  # image name for the snapshot; default snap-<sandbox>-<ms>
     labels: LabelMap = {}
-    # the processes' memory too (a restore resumes them): only substrates that can save a running
-    # guest (none yet: microvm's are planned); others answer invalid_request
+    # the processes' memory too (a create of the image resumes them): microvm and vm guests, whose
+    # files (a tmpfs in their RAM) come with it; others answer invalid_request
     memory: bool = False
 
 

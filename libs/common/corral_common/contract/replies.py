@@ -102,7 +102,7 @@ class DestroyReply(Reply, kw_only=True):
 
 class SnapshotReply(Reply, kw_only=True):
     image: ImageManifest
-    layer: str  # digest of the new layer (the sandbox's writable layer)
+    layer: str  # digest of the new layer (the sandbox's writable layer; a memory snapshot's: its saved guest)
     size: int  # bytes of the new layer
     uploaded_bytes: int  # chunk bytes not already in the store
 

@@ -19,7 +19,7 @@ import time
 import msgspec
 
 from corral_common import logs
-from corral_common.contract.images import LayerManifest
+from corral_common.contract.images import MEDIA_TYPES, LayerManifest
 from corral_common.layers import DIGEST, check_chunk_size
 
 log = logging.getLogger("corral.loader.cache")
@@ -65,8 +65,8 @@ def check_manifest(m: LayerManifest, digest: str) -> None:
     """A manifest the loader can serve: raises ValueError naming what is inconsistent."""
     if m.digest != digest:
         raise ValueError(f"manifest is stored under {digest} but names {m.digest}")
-    if m.media_type != "erofs":
-        raise ValueError(f"media_type {m.media_type!r} is not erofs")
+    if m.media_type not in MEDIA_TYPES:  # served as bytes either way: EROFS, or a guest's memory stream
+        raise ValueError(f"media_type {m.media_type!r} is not one of {', '.join(MEDIA_TYPES)}")
     check_chunk_size(m.chunk_size)
     if m.size < 0:
         raise ValueError(f"negative size {m.size}")

@@ -160,7 +160,7 @@ class SandboxOps:
         if req.memory and not sub.snapshots_memory:
             raise InvalidRequest(f"substrate {sub.name!r} cannot snapshot memory: {sub.memory_snapshot_gap}; "
                                  "snapshot its files (memory: false), or fork it (fork_of)")
-        image, layer, uploaded = await self.snapshots.take(sb, sub, req.name, req.labels)
+        image, layer, uploaded = await self.snapshots.take(sb, sub, req.name, req.labels, req.memory)
         return SnapshotReply(image=image, layer=layer.digest, size=layer.size, uploaded_bytes=uploaded)
 
     async def _changes(self, msg: Msg, sb: Sandbox, sub: Substrate) -> ChangesReply:

@@ -16,6 +16,7 @@ from corral_common.contract.errors import InvalidRequest
 from corral_common.contract.messages import ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 if TYPE_CHECKING:
+    from corral_common.contract.images import GuestMemory
     from corral_common.layers import ImageManifest, LayerManifest
 
     from ..cgroups import Cgroups
@@ -85,9 +86,9 @@ class Substrate(abc.ABC):
     #: snapshots are whole images the substrate makes (`snapshot_image`; docker: commit, save,
     #: import) instead of a writable layer the agent packs (`snapshot_dir`)
     snapshots_itself: ClassVar[bool] = False
-    #: snapshots may hold the processes' memory too (SnapshotRequest.memory)
     #: the host cgroup its sandboxes are made under ('' none of its own); removed when the node stops for good
     cgroup_parent: str = ""
+    #: snapshots may hold the processes' memory too (SnapshotRequest.memory: `save_memory`)
     snapshots_memory: ClassVar[bool] = False
     #: why not, for the error a `memory: true` snapshot gets
     memory_snapshot_gap: ClassVar[str] = "a container's processes cannot be saved (no CRIU on this kernel)"
@@ -144,6 +145,13 @@ class Substrate(abc.ABC):
         """For substrates that `snapshots_itself`: the sandbox as the image `name` (registered in
         the catalog), its top layer and the bytes uploaded."""
         raise InvalidRequest(f"substrate {self.name!r} does not make its own snapshot images")
+
+    async def save_memory(self, sb: Sandbox, fd: int) -> tuple[GuestMemory, list[str]]:
+        """For substrates that `snapshots_memory`: write the running sandbox's memory and device
+        state into `fd` (a pipe whose other end the caller drains and uploads meanwhile); the
+        sandbox runs on after, or stays paused if it was. Returns what a restore needs (its
+        `layer` left for the caller to fill) and the image layers under it."""
+        raise InvalidRequest(f"substrate {self.name!r} cannot snapshot memory: {self.memory_snapshot_gap}")
 
     async def connect_port(self, sb: Sandbox, port: int) -> socket.socket:
         """A non-blocking TCP socket connected to 127.0.0.1:`port` in the sandbox's own network

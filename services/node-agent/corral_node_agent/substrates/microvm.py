@@ -14,9 +14,10 @@ QEMU's own share. The guest's RAM is memory_mb + disk_mb (its writable layer liv
 
 Warm pools (`--warm-pool microvm:IMAGE=N`) keep booted guests stopped, for creates whose RAM
 and vCPUs are the defaults. A streaming exec gets its output every ~0.1 s as the guest agent finds
-it. Sessions are shells the guest agent keeps (guest/agent.sh). Not yet (clear errors): snapshots
-and forks, memory snapshots, harness execs, file audit and protected paths, adoption after a
-node-agent restart (its guests are cleaned up instead)."""
+it. Sessions are shells the guest agent keeps (guest/agent.sh). A memory snapshot saves the whole
+guest (microvm_qmp.py); a create of its image resumes it. Not yet (clear errors): file snapshots
+and forks, harness execs, file audit and protected paths, adoption after a node-agent restart
+(its guests are cleaned up instead)."""
 from __future__ import annotations
 
 import asyncio
@@ -39,11 +40,13 @@ from collections.abc import Callable
 import msgspec
 
 from corral_common.contract.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
+from corral_common.contract.images import GuestMemory
 from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
-from ..layermounts import LayerMounts
+from ..layermounts import ImageFiles, LayerMounts
 from ..sessions import SHELLS
+from . import microvm_qmp
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .common import result_stderr
 from .container import WARM_PREFIX
@@ -70,13 +73,14 @@ WARM_SPEC = SandboxSpec(image="busybox")
 
 class MicrovmSandbox(Sandbox):
     def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups,
-                 proc: asyncio.subprocess.Process, chan: GuestChannel, layers: list[str]):
+                 proc: asyncio.subprocess.Process, chan: GuestChannel, files: ImageFiles, append: str):
         super().__init__(info, spec)
         self.sdir = sdir
         self.cg = cg
         self.proc = proc
         self.chan = chan
-        self.layers = layers
+        self.files = files  # its disks' layers (and the memory it was resumed from): released at destroy
+        self.append = append  # the kernel command line it booted with (a memory snapshot records it)
         self.exit_watch: asyncio.Task[None] | None = None
         self.destroying = False
         self.session_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # a session's calls take turns
@@ -103,7 +107,7 @@ def exec_script(argv: list[str], env: dict[str, str], cwd: str) -> str:
 
 class MicrovmSubstrate(Substrate):
     name = "microvm"
-    memory_snapshot_gap = "memory snapshots of microvm sandboxes are not available yet"
+    snapshots_memory = True
     #: QEMU's machine: microvm has no PCI bus, no firmware and no ACPI tables to walk at boot
     machine = "microvm,x-option-roms=off,rtc=off"
     #: the transport of the virtio devices on that machine (virtio-blk-device, virtio-blk-pci)
@@ -167,7 +171,7 @@ class MicrovmSubstrate(Substrate):
         d = tempfile.mkdtemp(prefix=f"{self.name}-probe-", dir=self.state_dir)
         try:
             with open(f"{d}/qemu.log", "wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(*self._argv(accel, 128, 1, "corral_probe=1", f"file:{d}/console.log"),
+                proc = await asyncio.create_subprocess_exec(*self._argv(accel, 128, 1, self._append(accel, "corral_probe=1"), f"file:{d}/console.log"),
                                                             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                                                             stderr=log_file)
             try:
@@ -188,16 +192,18 @@ class MicrovmSubstrate(Substrate):
         finally:
             shutil.rmtree(d, ignore_errors=True)
 
-    def _argv(self, accel: str, mem_mb: int, cpus: int, extra: str, serial: str, sdir: str = "",
-              layer_files: list[str] | None = None) -> list[str]:
+    def _append(self, accel: str, extra: str) -> str:
+        return f"console=ttyS0 quiet panic=-1 {self._clock_args(accel)} {extra}"
+
+    def _argv(self, accel: str, mem_mb: int, cpus: int, append: str, serial: str, sdir: str = "",
+              layer_files: list[str] | None = None, incoming_fd: int = -1) -> list[str]:
         assert self.guest is not None
         argv = [self.qemu, "-M", self.machine,
                 "-accel", f"tcg,tb-size={TB_SIZE_MB}" if accel == "tcg" else "kvm",
                 "-cpu", "max" if accel == "tcg" else "host", "-m", str(mem_mb), "-smp", str(cpus),
                 "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
                 "-kernel", self.guest.kernel, "-initrd", self.guest.initrd,
-                "-append", f"console=ttyS0 quiet panic=-1 {self._clock_args(accel)} {extra}",
-                "-serial", serial]
+                "-append", append, "-serial", serial]
         if sdir:
             argv += ["-device", f"virtio-serial-{self.virtio}",
                      "-chardev", f"socket,id=agent,path={sdir}/agent.sock,server=on,wait=off",
@@ -206,6 +212,8 @@ class MicrovmSubstrate(Substrate):
         for i, path in enumerate(layer_files or []):
             argv += ["-drive", f"id=l{i},file={path},format=raw,if=none,readonly=on,file.locking=off",
                      "-device", f"virtio-blk-{self.virtio},drive=l{i},serial=l{i}"]
+        if incoming_fd >= 0:  # a saved guest's state, read from this descriptor instead of booting
+            argv += ["-incoming", f"fd:{incoming_fd}"]
         return argv
 
     @staticmethod
@@ -222,51 +230,101 @@ class MicrovmSubstrate(Substrate):
     # ------------------------------------------------------------------ life cycle
 
     async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
+        """Boot the guest, or, when the image is a memory snapshot, resume the saved one: QEMU
+        reads its state from the loader's file of it (`-incoming`), on the same disks."""
         if spec.fork_of:
             raise InvalidRequest(f"{self.name} sandboxes cannot be forked yet (the container substrate's can)")
         sid = info.id
-        files, layers = await self.layers.files(spec.image)
+        files = await self.layers.files(spec.image)
+        saved = files.memory
+        if saved is not None:
+            try:
+                self._check_resumable(spec, saved)
+            except BaseException:
+                await self.layers.release_files(files.digests)
+                raise
         sdir = f"{self.sandboxes_dir}/{sid}"
         cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
         proc: asyncio.subprocess.Process | None = None
         chan = GuestChannel(f"{sdir}/agent.sock")
+        mem_fd = -1
         try:
             os.makedirs(sdir, mode=0o700)
             with open(f"{sdir}/layers.json", "w") as f:
-                json.dump(layers, f)
+                json.dump(files.digests, f)
             guest_mb = spec.memory_mb + spec.disk_mb + GUEST_BASE_MB
             await asyncio.to_thread(self._make_cgroup, cg, max(spec.cpu, BOOT_CPU), guest_mb + QEMU_OVERHEAD_MB)
-            argv = self._argv(self.accel, guest_mb, _vcpus(spec.cpu),
-                              f"corral_disk={spec.disk_mb} corral_layers={len(files)} corral_host={sid} corral_pids={spec.pids_max}",
-                              f"file:{sdir}/console.log", sdir, files)
+            append = saved.append if saved else self._append(
+                self.accel, f"corral_disk={spec.disk_mb} corral_layers={len(files.paths)} corral_host={sid} corral_pids={spec.pids_max}")
+            if saved:
+                mem_fd = os.open(files.memory_path, os.O_RDONLY | os.O_CLOEXEC)
+            argv = self._argv(self.accel, guest_mb, _vcpus(spec.cpu), append, f"file:{sdir}/console.log", sdir, files.paths, mem_fd)
             with open(f"{sdir}/qemu.log", "wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                            stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
+                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                                                            stderr=log_file, pass_fds=(mem_fd,) if saved else ())
             cg.add(proc.pid)
             with open(f"{sdir}/qemu.pid", "w") as f:
                 f.write(str(proc.pid))
-            boot = asyncio.create_task(chan.connect(BOOT_TIMEOUT_S))
             ended = asyncio.create_task(proc.wait())
-            await asyncio.wait({boot, ended}, return_when=asyncio.FIRST_COMPLETED)
-            if not boot.done():
-                boot.cancel()
+            try:
+                if saved:
+                    try:
+                        await microvm_qmp.load(f"{sdir}/qmp.sock", ended)
+                    except Internal as e:
+                        raise Internal(f"{self.name} {sid} could not resume image {spec.image!r} ({e}): {self._why(sdir)}") from None
+                boot = asyncio.create_task(chan.connect(BOOT_TIMEOUT_S))
+                await asyncio.wait({boot, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if not boot.done():
+                    boot.cancel()
+                    with contextlib.suppress(BaseException):
+                        await boot
+                    raise Internal(f"{self.name} {sid} stopped while booting: {self._why(sdir)}")
+            finally:
+                ended.cancel()
                 with contextlib.suppress(BaseException):
-                    await boot
-                raise Internal(f"{self.name} {sid} stopped while booting: {self._why(sdir)}")
-            ended.cancel()
-            with contextlib.suppress(BaseException):
-                await ended
+                    await ended
             try:
                 boot.result()
             except Unavailable as e:
                 raise Internal(f"{self.name} {sid} did not come up ({e}): {self._why(sdir)}") from None
+            if saved:
+                await self._become(chan, info, spec)
             if spec.cpu < BOOT_CPU:
                 cg.set_cpu(spec.cpu)
         except BaseException:
             await asyncio.shield(chan.close())
-            await asyncio.shield(self._teardown(sid, sdir, cg, proc, layers))
+            await asyncio.shield(self._teardown(sid, sdir, cg, proc, files.digests))
             raise
-        return MicrovmSandbox(info, spec, sdir, cg, proc, chan, layers)
+        finally:
+            if mem_fd >= 0:
+                os.close(mem_fd)
+        return MicrovmSandbox(info, spec, sdir, cg, proc, chan, files, append)
+
+    def _check_resumable(self, spec: SandboxSpec, saved: GuestMemory) -> None:
+        """A saved guest resumes only on the machine it was saved from: the same device layout,
+        guest kernel and initramfs, accelerator, RAM and vCPUs."""
+        assert self.guest is not None
+        image = spec.image
+        if saved.substrate != self.name:
+            raise InvalidRequest(f"image {image!r} is a memory snapshot of a {saved.substrate} guest; create it with substrate {saved.substrate!r}")
+        asked = (spec.memory_mb, spec.disk_mb, _vcpus(spec.cpu))
+        if asked != (saved.memory_mb, saved.disk_mb, saved.vcpus):
+            raise InvalidRequest(f"image {image!r} is a memory snapshot of a guest with memory_mb={saved.memory_mb}, disk_mb={saved.disk_mb} "
+                                 f"and {saved.vcpus} vCPU(s), which a resumed guest keeps; this create asks for memory_mb={asked[0]}, "
+                                 f"disk_mb={asked[1]} and {asked[2]} vCPU(s)")
+        if (saved.guest, saved.accel) != (self.guest.tag, self.accel):
+            raise InvalidRequest(f"image {image!r} is a memory snapshot of a guest kernel {saved.guest} under {saved.accel}; node {self.node} "
+                                 f"runs {self.guest.tag} under {self.accel}, which cannot resume it")
+
+    @staticmethod
+    async def _become(chan: GuestChannel, info: SandboxInfo, spec: SandboxSpec) -> None:
+        """Inside a guest that started as another (a warm pool's, a memory snapshot's source): the
+        host name, pids.max and the clock (which stood still while it was stopped) made this
+        sandbox's."""
+        done = await chan.exec(f"hostname {shlex.quote(info.id)} && echo {spec.pids_max} > /sys/fs/cgroup/sandbox/pids.max "
+                               f"&& /bin/busybox date -s @{int(time.time())} >/dev/null\n", b"", 10, 4096)
+        if done.exit_code != 0:
+            raise Internal(f"the guest could not become {info.id}: {done.stderr.decode(errors='replace').strip()}")
 
     # ------------------------------------------------------------------ warm pool
 
@@ -302,10 +360,7 @@ class MicrovmSubstrate(Substrate):
             sb.cg = sb.cg.rename(f"{self.cgroup_parent}/{info.id}")
             sb.cg.set_cpu(spec.cpu)
             await self.resume(sb)
-            done = await sb.chan.exec(f"hostname {shlex.quote(info.id)} && echo {spec.pids_max} > /sys/fs/cgroup/sandbox/pids.max "
-                                      f"&& /bin/busybox date -s @{int(time.time())} >/dev/null\n", b"", 10, 4096)
-            if done.exit_code != 0:
-                raise Internal(f"warm guest {old} could not take {info.id}: {done.stderr.decode(errors='replace').strip()}")
+            await self._become(sb.chan, info, spec)
         except BaseException:
             await asyncio.shield(self.destroy(sb))
             raise
@@ -346,7 +401,7 @@ class MicrovmSubstrate(Substrate):
             sb.exit_watch.cancel()
             with contextlib.suppress(BaseException):
                 await sb.exit_watch
-        await self._teardown(sb.id, sb.sdir, sb.cg, sb.proc, sb.layers)
+        await self._teardown(sb.id, sb.sdir, sb.cg, sb.proc, sb.files.digests)
 
     async def _teardown(self, sid: str, sdir: str, cg: cgroups.Cgroups, proc: asyncio.subprocess.Process | None,
                         layers: list[str]) -> None:
@@ -451,31 +506,21 @@ class MicrovmSubstrate(Substrate):
 
     async def pause(self, sb: Sandbox) -> None:
         assert isinstance(sb, MicrovmSandbox)
-        await self._qmp(sb, "stop")
+        async with microvm_qmp.monitor(f"{sb.sdir}/qmp.sock") as q:
+            await q.execute("stop")
         sb.paused = True
 
     async def resume(self, sb: Sandbox) -> None:
         assert isinstance(sb, MicrovmSandbox)
-        await self._qmp(sb, "cont")
+        async with microvm_qmp.monitor(f"{sb.sdir}/qmp.sock") as q:
+            await q.execute("cont")
         sb.paused = False
 
-    async def _qmp(self, sb: MicrovmSandbox, command: str) -> None:
-        """One QMP command on the guest's monitor socket (a connection each: pause and resume are rare)."""
-        reader, writer = await asyncio.open_unix_connection(f"{sb.sdir}/qmp.sock")
-        try:
-            async with asyncio.timeout(10):
-                await reader.readline()  # the greeting
-                for cmd in ("qmp_capabilities", command):
-                    writer.write(json.dumps({"execute": cmd}).encode() + b"\n")
-                    await writer.drain()
-                    while True:
-                        answer = json.loads(await reader.readline() or b"{}")
-                        if "return" in answer:
-                            break
-                        if "error" in answer or not answer:
-                            raise Internal(f"QEMU refused {cmd} for {sb.id}: {answer.get('error', 'no answer')}")
-        finally:
-            writer.close()
+    async def save_memory(self, sb: Sandbox, fd: int) -> tuple[GuestMemory, list[str]]:
+        assert isinstance(sb, MicrovmSandbox) and self.guest is not None
+        await microvm_qmp.save(f"{sb.sdir}/qmp.sock", fd, sb.paused)
+        return GuestMemory(layer="", substrate=self.name, memory_mb=sb.spec.memory_mb, disk_mb=sb.spec.disk_mb, vcpus=_vcpus(sb.spec.cpu),
+                           guest=self.guest.tag, accel=self.accel, append=sb.append), sb.files.layers
 
     async def usage(self, sb: Sandbox) -> Usage:
         assert isinstance(sb, MicrovmSandbox)

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import itertools
 import logging
+import secrets
 from collections.abc import Callable
 
 import msgspec
@@ -55,7 +56,9 @@ def unb64(field: str) -> bytes:
 class GuestChannel:
     def __init__(self, sock: str):
         self.sock = sock
-        self.ids = itertools.count(1)
+        # ids start anywhere: a guest resumed from a memory snapshot may still answer its
+        # source's requests that were in flight, and must not be taken for ours
+        self.ids = itertools.count(secrets.randbelow(1 << 48) + 1)
         self.waiting: dict[str, asyncio.Future[list[str]]] = {}
         self.streams: dict[str, Callable[[str, bytes], None]] = {}  # exec id -> its output chunks, as they come
         self.writer: asyncio.StreamWriter | None = None

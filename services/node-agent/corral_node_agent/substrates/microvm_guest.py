@@ -37,6 +37,12 @@ class Guest(msgspec.Struct, frozen=True):
     initrd: str
     version: str
 
+    @property
+    def tag(self) -> str:
+        """Kernel version and the initramfs's make-up (its cache dir's name): a saved guest
+        resumes only under the same."""
+        return os.path.basename(os.path.dirname(self.kernel))
+
 
 def find_kernel() -> tuple[str, str]:
     """(bzImage path, version) of the newest installed kernel that has its modules."""

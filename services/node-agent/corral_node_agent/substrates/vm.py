@@ -13,6 +13,5 @@ from .microvm import MicrovmSubstrate
 
 class VmSubstrate(MicrovmSubstrate):
     name = "vm"
-    memory_snapshot_gap = "memory snapshots of vm sandboxes are not available yet"
     machine = "q35"
     virtio = "pci"
