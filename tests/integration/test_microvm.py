@@ -53,7 +53,8 @@ async def test_a_guest_has_a_kernel_and_processes_of_its_own(guest, substrate):
     r = await guest.exec("uname -r; cat /proc/1/cmdline | tr '\\0' ' '; echo; ps -o args | grep -c -e '[n]ats-server' -e '[p]ython'; hostname")
     release, init, host_procs, hostname = r.stdout.strip().split("\n")
     assert release == find_kernel()[1], r  # the distribution's kernel package, not the host's kernel
-    assert init.strip() == "/bin/sh /init", r  # PID 1 is the guest's init, not anything of the host's
+    # PID 1 of the sandbox's PID namespace is corral-guest's holder, not anything of the host's
+    assert init.strip().startswith("/bin/corral-guest hold"), r
     assert host_procs == "0", r  # the host's processes (this test, the stack's services) are not there to see
     assert hostname == guest.id
     r = await guest.exec("ls /sys/class/net")
@@ -88,19 +89,26 @@ async def test_a_timeout_kills_the_exec_and_its_children_but_not_the_guest(guest
     assert r.stdout == "alive\n"
 
 
-async def test_an_exec_that_kills_the_guests_timer_still_times_out(guest):
-    """Code in the guest is root there and can kill the agent's timer: the node's own deadline
-    (timeout + a grace) still ends the exec and has its processes killed."""
+async def test_the_guest_agent_is_out_of_the_sandboxs_reach(guest):
+    """The sandbox's commands are root of the guest's kernel without its powers: they see only
+    their own processes (the agent and its timers are in another PID namespace), hold no
+    capability, cannot mount, load modules, power the guest off, write the kernel's knobs or
+    reach the virtio-serial port the agent answers the host on; a timeout still holds."""
+    r = await guest.exec("ps -o pid,args")
+    assert "agent.sh" not in r.stdout and "/init" not in r.stdout.replace("/bin/corral-guest", ""), r
     kill_timers = "for p in $(pidof sleep); do kill -9 $(cut -d' ' -f4 /proc/$p/stat) $p; done 2>/dev/null"
     r = await asyncio.wait_for(guest.exec(f"sleep 0.3; {kill_timers}; sleep 77", timeout_s=1), 30)
-    assert r.timed_out and r.exit_code == 137, r
-    assert r.duration_ms >= 5000, r  # ended by the node's deadline: the guest's timer was gone
-    for _ in range(50):  # the kill is sent as the node gives up: it lands a moment later
-        r = await guest.exec("ps -o args | grep -c '^sleep 77'")
-        if r.stdout.strip() == "0":
-            break
-        await asyncio.sleep(0.1)
+    assert r.timed_out and r.exit_code == 137 and r.duration_ms < 5000, r  # the guest's own timer ended it
+    r = await guest.exec("ps -o args | grep -c '^sleep 77'")
     assert r.stdout.strip() == "0", r
+    r = await guest.exec("grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status | tr -s '\\t' ' '")
+    assert r.stdout.splitlines() == ["CapEff: 0000000000000000", "CapBnd: 0000000000000000", "NoNewPrivs: 1", "Seccomp: 2"], r
+    r = await guest.exec("ls /dev; ls /dev | grep -c -e vport -e hvc -e vd -e mem; "
+                         "for t in 'mount -t tmpfs x /mnt' 'poweroff -f' 'insmod /lib/modules/x.ko' 'rmmod erofs' "
+                         "'echo 1 > /proc/sys/vm/drop_caches' 'echo b > /proc/sysrq-trigger' 'touch /sys/kernel/x' "
+                         "'chroot /proc/1/root true' 'cat /proc/1/root/agent.sh'; do sh -c \"$t\" 2>/dev/null && echo \"did: $t\"; done; echo end")
+    assert r.stdout.split()[-2:] == ["0", "end"] and "did:" not in r.stdout, r
+    assert (await guest.exec("echo alive")).stdout == "alive\n"
 
 
 async def test_files_round_trip_and_disk_mb_binds(guest):
@@ -126,6 +134,32 @@ async def test_files_round_trip_and_disk_mb_binds(guest):
     assert "rc=0" not in r.stdout and "No space left" in r.stderr, r  # disk_mb=16
     r = await guest.exec("rm /big; echo ok")
     assert r.stdout == "ok\n", r
+
+
+async def test_the_harness_is_out_of_the_agents_reach_in_the_guest(guest):
+    """A harness session's processes are the grader's (uid 64222): the agent's commands (root
+    of the guest without a capability) cannot signal them, read their environment or their
+    call files; and the node's file operations see the sandbox's view of the guest (its /proc
+    leads to its own root, its /dev has no virtio-serial port), so a symlink the agent plants
+    leads nowhere else."""
+    await guest.exec("export SECRET=answer-42; sleep 600 &", session="grader", harness=True)
+    find = "ps -o pid,user,args | awk '$2 == \"64222\" && $3 == \"sleep\" && $4 == \"600\" {print $1}'"
+    r = await guest.exec(f"pid=$({find}); echo pid=$pid; kill -9 $pid; echo kill=$?; "
+                         "cat /proc/$pid/environ; echo environ=$?; ls /.corral/io; echo io=$?; "
+                         "cat /.corral/io/*/u; echo u=$?")
+    assert "pid=" in r.stdout and r.stdout.split("pid=")[1].split()[0].isdigit(), r
+    for step in ("kill", "environ", "io", "u"):
+        assert f"{step}=0" not in r.stdout, (step, r)
+    assert "answer-42" not in r.stdout, r
+    r = await guest.exec(f"echo $SECRET; [ -n \"$({find})\" ] && echo alive", session="grader", harness=True)
+    assert r.stdout == "answer-42\nalive\n", r
+    await guest.exec("ln -sf /proc/1/root/agent.sh /tmp/to-agent; ln -sf ../../../../run/corral /tmp/to-run")
+    for path in ("/proc/1/root/agent.sh", "/tmp/to-agent", "/tmp/to-run/q", "/agent.sh"):
+        with pytest.raises(NotFound):
+            await guest.files.read(path)
+    await guest.files.write("/tmp/to-agent", b"echo hijacked")  # through the link: into the sandbox's own root
+    assert (await guest.exec("cat /agent.sh")).stdout == "echo hijacked", "the write went elsewhere"
+    await guest.exec(f"kill $({find})", harness=True)
 
 
 async def test_a_write_holds_while_the_sandbox_removes_the_file(guest):
@@ -192,8 +226,6 @@ async def test_pause_refuses_exec_until_resumed(guest):
 
 async def test_what_a_guest_cannot_do_yet_is_refused_clearly(vm_stack, guest, substrate):
     _, c = vm_stack
-    with pytest.raises(InvalidRequest, match="harness"):
-        await guest.exec("true", harness=True)
     with pytest.raises(InvalidRequest, match=substrate):
         await c.create(image="busybox", substrate=substrate, fork_of=guest.id)
     with pytest.raises(InvalidRequest, match="cannot snapshot"):  # its files alone: its memory holds them
@@ -226,11 +258,15 @@ async def test_pids_max_caps_the_sandboxs_processes_in_the_guest(vm_stack, subst
         await sb.destroy()
 
 
-async def test_a_guest_that_powers_off_ends_and_nothing_is_left(vm_stack, substrate):
+async def test_a_guest_that_dies_ends_and_nothing_is_left(vm_stack, substrate):
+    """The sandbox cannot power its guest off (test_the_guest_agent_is_out_of_the_sandboxs_reach);
+    a guest whose QEMU dies (here: killed from the host) ends, and nothing of it is left."""
     st, c = vm_stack
     sb = await c.create(image="busybox", substrate=substrate)
-    with contextlib.suppress(Exception):  # the guest may go before it answers
-        await sb.exec("poweroff -f", timeout_s=10)
+    qemu = [pid for pid, args in _procs() if "qemu-system" in args.split(" ")[0] and sb.id in _cgroup_of(pid)]
+    assert len(qemu) == 1, qemu  # (a claimed warm guest's command line names its pool id: its cgroup is the sandbox's)
+    for pid in qemu:
+        os.kill(pid, 9)
     state = "running"
     for _ in range(200):
         try:
@@ -325,3 +361,18 @@ async def test_a_memory_snapshot_resumes_its_running_processes_in_every_copy(vm_
     ids = {sb.id for sb in (src, *copies)}
     assert not ids & set(left["sandbox_dirs"]) and not [g for g in left["guests"] if any(i in g for i in ids)], left
 
+
+def _procs() -> list[tuple[int, str]]:
+    """(pid, command line) of the host's processes."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{d}/cmdline", "rb") as f:
+                out.append((int(d), f.read().replace(b"\0", b" ").decode(errors="replace")))
+    return out
+
+
+def _cgroup_of(pid: int) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
+    return ""

@@ -1,19 +1,24 @@
 #!/bin/sh
 # corral's microvm guest agent: one line per request on the virtio-serial port "corral", one line
-# per answer; binary fields are base64 behind a "-" (so that an empty one is still a field).
+# per answer; binary fields are base64 behind a "-" (so that an empty one is still a field), or,
+# in a request, "=N": N raw bytes that follow its line (a request has one such field at most).
 #   X id timeout max -script -stdin stream   run the script (its own process group) -> D id rc
 #                                     timed_out out_size err_size -out -err (each cut to max bytes);
 #                                     with stream=1, before it: O id o|e -bytes as output appears
-#   S id name timeout max stream -start -pre -cmd -stdin   the same in session `name`: a shell that
-#                                     stays (started by the script -start when there is none), in
-#                                     which `{ pre && . cmd; } < stdin` runs -> D as for X; a
-#                                     timeout kills the session (the next call starts a new one)
-#   K id                              kill exec id's process group (no answer: its D says so)
+#   S id name timeout max stream -start -pre -cmd -stdin uid   the same in session `name`: a shell
+#                                     that stays (started by the script -start when there is none),
+#                                     in which `{ pre && . cmd; } < stdin` runs -> D as for X; a
+#                                     timeout kills the session (the next call starts a new one);
+#                                     the call's files are uid's (the session's user)
+#   K id                              kill exec id's processes (no answer: its D says so)
 #   R id max -path                    read a regular file inside the root -> F id rc mode -data
 #   W id mode parents -path -data     write one                   -> F id rc 0 -error
 #   P id                              -> P id (the host's "are you there")
 # Answers go out whole, one at a time, through one writer; requests are served concurrently.
+# Every exec runs in a cgroup of its own under the sandbox's (which holds pids_max), every session
+# in one of its own: a timeout or a kill ends all that it started, however it daemonised.
 R=/run/corral
+CG=/sys/fs/cgroup/sandbox
 mkdir -p $R
 port=""
 for p in /sys/class/virtio-ports/*; do
@@ -27,7 +32,28 @@ send() { # file: hand a finished answer to the writer
     mv "$1" "$1.out"
     echo "$1.out" > $R/q
 }
-inroot() { chroot /mnt/root /.corral/busybox "$@"; }
+# the node's file operations: root, but in the sandbox's namespaces and root, where its symlinks
+# and /proc lead nowhere else
+take() { # id field: a raw field's bytes (=N) off the port into a file, named as "@file" for field()
+    case "$2" in
+        =*)
+            n=${2#=}
+            f=$R/p$1
+            : > "$f"
+            # exactly N bytes: whole blocks, then the rest (a read of a block may not go past them)
+            [ "$n" -ge 65536 ] && dd bs=65536 count=$((n / 65536)) iflag=fullblock 2>/dev/null <&3 >> "$f"
+            [ $((n % 65536)) -gt 0 ] && dd bs=$((n % 65536)) count=1 iflag=fullblock 2>/dev/null <&3 >> "$f"
+            echo "@$f" ;;
+        *) echo "$2" ;;
+    esac
+}
+field() { # field file: a request's bytes field into file
+    case "$1" in
+        @*) mv "${1#@}" "$2" ;;
+        *) echo "${1#-}" | base64 -d > "$2" ;;
+    esac
+}
+inroot() { /bin/corral-guest enter --files /run/corral-holder.pid -- /.corral/busybox "$@"; }
 stream() { # id dir max: what exec id wrote since the last look, each stream up to max bytes
     for sn in o e; do
         n=$(wc -c < "$2/$sn")
@@ -44,12 +70,15 @@ run() {
     d=$R/x$1
     mkdir -p "$d"
     echo "${4#-}" | base64 -d > "$d/s"
-    echo "${5#-}" | base64 -d > "$d/i"
-    setsid sh "$d/s" < "$d/i" > "$d/o" 2> "$d/e" &
+    field "$5" "$d/i"
+    cg=$CG/x$1
+    mkdir -p "$cg"
+    echo "$cg" > "$d/cg"
+    setsid sh -c 'echo $$ > "$1/cgroup.procs" || exit 125; exec sh "$2"' corral-exec "$cg" "$d/s" < "$d/i" > "$d/o" 2> "$d/e" &
     p=$!
     echo "$p" > "$d/p"
     streamer "$1" "$d" "$3" "$6"
-    ( trap 'kill $s 2>/dev/null; exit 0' TERM; sleep "$2" & s=$!; wait $s; : > "$d/t"; kill -KILL -- "-$p" 2>/dev/null ) &
+    ( trap 'kill $s 2>/dev/null; exit 0' TERM; sleep "$2" & s=$!; wait $s; : > "$d/t"; killall_ "$p" "$cg" ) &
     w=$!
     wait "$p"
     rc=$?
@@ -64,6 +93,14 @@ answer() { # id rc timed_out dir max streamer: the last of the output, then D
         "$(head -c "$5" "$4/o" | base64 -w0)" "$(head -c "$5" "$4/e" | base64 -w0)" > "$R/a$1"
     rm -rf "$4" "$R/x$1"
     send "$R/a$1"
+    # the cgroups of execs that are done, once what they left running has ended
+    for c in "$CG"/x*; do [ -e "$R/${c##*/}" ] || rmdir "$c" 2>/dev/null; done
+}
+killall_() { # pgid cgroup: all in the cgroup, and the process group (the timer that calls this
+    # is told to stop as soon as the exec's main process is gone: it ignores that from here on)
+    trap '' TERM
+    echo 1 > "$2/cgroup.kill" 2>/dev/null
+    kill -KILL -- "-$1" 2>/dev/null
 }
 streamer() { # id dir max on: if on (1), stream in the background until dir/z appears; its pid in $st
     st=""
@@ -77,29 +114,35 @@ sess() {
     d=/mnt/root/.corral/io/$1
     c=/.corral/io/$1
     s=$R/s$2
+    cg=$CG/s$2
     mkdir -p "$d" "$R/x$1"
     : > "$d/o"
     : > "$d/e"
-    echo "${9#-}" | base64 -d > "$d/i"
+    field "$9" "$d/i"
     echo "${8#-}" | base64 -d > "$d/u"
     if [ ! -e "$s/p" ] || [ -e "$s/x" ] || ! kill -0 "$(cat "$s/p")" 2>/dev/null; then
         rm -rf "$s"
-        mkdir -p "$s"
+        mkdir -p "$s" "$cg"
         mkfifo "$s/q"
+        echo "${10:-0}" > "$s/uid"
         echo "${6#-}" | base64 -d > "$s/start"
         # the session holds its FIFO open before the first call is written into it: a call
         # written while nobody has it open is dropped with the pipe when the writer closes it
-        setsid sh -c 'exec 0<>"$1/q"; : > "$1/up"; sh "$1/start" >/dev/null 2>&1; echo $? > "$1/x.t"; mv "$1/x.t" "$1/x"' \
-            corral-session "$s" &
+        setsid sh -c 'echo $$ > "$2/cgroup.procs" || exit 125; exec 0<>"$1/q"; : > "$1/up"; sh "$1/start" >/dev/null 2>&1; '\
+'echo $? > "$1/x.t"; mv "$1/x.t" "$1/x"' corral-session "$s" "$cg" &
         echo $! > "$s/p"
         while [ ! -e "$s/up" ] && kill -0 "$!" 2>/dev/null; do sleep 0.01; done
     fi
+    u=$(cat "$s/uid")
+    chown -R "$u:$u" "$d"
+    chmod 0700 "$d"
     p=$(cat "$s/p")
     echo "$p" > "$R/x$1/p"
+    echo "$cg" > "$R/x$1/cg"
     # the status first, then the mark the agent waits for (shell built-ins only: images vary)
     printf '{ %s && . %s/u; } < %s/i > %s/o 2> %s/e; echo $? > %s/rc; : > %s/r\n' \
         "$(echo "${7#-}" | base64 -d)" "$c" "$c" "$c" "$c" "$c" "$c" 1<> "$s/q"  # read-write: never blocks
-    ( trap 'kill $w 2>/dev/null; exit 0' TERM; sleep "$3" & w=$!; wait $w; : > "$d/t"; kill -KILL -- "-$p" 2>/dev/null ) &
+    ( trap 'kill $w 2>/dev/null; exit 0' TERM; sleep "$3" & w=$!; wait $w; : > "$d/t"; killall_ "$p" "$cg" ) &
     tm=$!
     streamer "$1" "$d" "$4" "$5"
     while [ ! -e "$d/r" ] && [ ! -e "$d/t" ] && [ ! -e "$s/x" ] && kill -0 "$p" 2>/dev/null; do sleep 0.02; done
@@ -132,7 +175,7 @@ readf() {
 # sandbox removing or renaming the file meanwhile cannot fail it halfway.
 writef() {
     p=$(echo "${4#-}" | base64 -d)
-    echo "${5#-}" | base64 -d > "$R/w$1"
+    field "$5" "$R/w$1"
     rc=0
     if [ "$3" = 1 ]; then inroot mkdir -p -- "$(dirname -- "$p")" 2> "$R/e$1" || rc=3; fi
     if [ "$rc" = 0 ]; then
@@ -150,13 +193,13 @@ writef() {
 }
 echo "H 0 ready" > $R/hello
 send $R/hello
-while read -r op id a b c d e f g h <&3; do
+while read -r op id a b c d e f g h i <&3; do
     case "$op" in
-        X) run "$id" "$a" "$b" "$c" "$d" "$e" & ;;
-        S) sess "$id" "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" & ;;
-        K) [ -e "$R/x$id/p" ] && kill -KILL -- "-$(cat "$R/x$id/p")" 2>/dev/null ;;
+        X) d=$(take "$id" "$d"); run "$id" "$a" "$b" "$c" "$d" "$e" & ;;
+        S) h=$(take "$id" "$h"); sess "$id" "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$i" & ;;
+        K) [ -e "$R/x$id/p" ] && ( killall_ "$(cat "$R/x$id/p")" "$(cat "$R/x$id/cg")" ) ;;
         R) readf "$id" "$a" "$b" & ;;
-        W) writef "$id" "$a" "$b" "$c" "$d" & ;;
+        W) d=$(take "$id" "$d"); writef "$id" "$a" "$b" "$c" "$d" & ;;
         P) echo "P $id" > "$R/a$id"; send "$R/a$id" ;;
     esac
 done

@@ -1,8 +1,9 @@
 #!/bin/sh
 # corral's microvm init: PID 1 of the guest, from the initramfs. Mounts the image's EROFS layers
 # (virtio block devices whose serial is l0, l1, ... bottom first) under an overlay whose upper is a
-# tmpfs of corral_disk MiB, caps the sandbox's processes at corral_pids, then runs the guest agent;
-# the guest powers off when the agent ends.
+# tmpfs of corral_disk MiB, caps the sandbox's processes at corral_pids, starts the holder of the
+# sandbox's namespaces (corral-guest), then runs the guest agent; the guest powers off when the
+# agent ends.
 export PATH=/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -45,6 +46,7 @@ mount -t sysfs sys sys
 mount -t devtmpfs dev dev
 touch .corral/busybox
 mount --bind /bin/busybox .corral/busybox
+mount -o remount,bind,ro .corral/busybox  # the agent runs it as the guest's root: the sandbox must not write it
 cd /
 # pids_max binds the sandbox's processes (every exec joins this group), not the agent
 mkdir -p /sys/fs/cgroup
@@ -52,6 +54,12 @@ mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
 echo +pids > /sys/fs/cgroup/cgroup.subtree_control
 mkdir /sys/fs/cgroup/sandbox
 echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
+# the calls' files of sessions: the harness's user owns the dir, so the agent's commands (root
+# without a capability) cannot list it
+mkdir -p /mnt/root/.corral/io
+chown 64222:64222 /mnt/root/.corral/io && chmod 0711 /mnt/root/.corral/io || fail "no io dir"
+# the sandbox's PID and mount namespaces (its own /proc), which every command enters (corral-guest)
+/bin/corral-guest hold /run/corral-holder.pid /mnt/root || fail "no namespace holder for the sandbox"
 stage "agent starting"
 /bin/sh /agent.sh
 fail "the guest agent ended"

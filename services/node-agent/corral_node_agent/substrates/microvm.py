@@ -14,9 +14,11 @@ QEMU's own share. The guest's RAM is memory_mb + disk_mb (its writable layer liv
 
 Warm pools (`--warm-pool microvm:IMAGE=N`) keep booted guests stopped, for creates whose RAM
 and vCPUs are the defaults. A streaming exec gets its output every ~0.1 s as the guest agent finds
-it. Sessions are shells the guest agent keeps (guest/agent.sh). A memory snapshot saves the whole
-guest (microvm_qmp.py); a create of its image resumes it. Not yet (clear errors): file snapshots
-and forks, harness execs, file audit and protected paths, adoption after a node-agent restart
+it. Sessions are shells the guest agent keeps (guest/agent.sh). Inside the guest, the sandbox's
+commands run in namespaces of their own without a capability, harness commands as HARNESS_UID
+(init/corral-guest.c), out of reach of the agent, which is the guest's root. A memory snapshot
+saves the whole guest (microvm_qmp.py); a create of its image resumes it. Not yet (clear errors):
+file snapshots and forks, file audit and protected paths, adoption after a node-agent restart
 (its guests are cleaned up instead)."""
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import msgspec
 
 from corral_common.contract.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
 from corral_common.contract.images import GuestMemory
-from corral_common.contract.messages import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.messages import HARNESS_UID, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
 from ..layermounts import ImageFiles, LayerMounts
@@ -86,23 +88,32 @@ class MicrovmSandbox(Sandbox):
         self.session_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # a session's calls take turns
 
 
-def session_script(shell: str, env: dict[str, str], cwd: str) -> str:
-    """The guest-side script that becomes a session's shell: in the sandbox cgroup, a clean
-    environment, the image's root, its workdir, then `shell` reading commands from the agent."""
-    return "echo $$ > /sys/fs/cgroup/sandbox/cgroup.procs || exit 125\nexec " + shlex.join(
-        ["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), "/bin/chroot", "/mnt/root", shell, "-c",
-         'cd -- "$1" 2>/dev/null; exec "$0"', shell, cwd]) + "\n"
+#: runs a command in the guest's sandbox: its PID and mount namespaces (held by the process whose
+#: pid init.sh wrote to HOLDER), the image's root, no capability, seccomp (init/corral-guest.c)
+HOLDER = "/run/corral-holder.pid"
 
 
-def exec_script(argv: list[str], env: dict[str, str], cwd: str) -> str:
-    """The guest-side script of one exec: into the guest's sandbox cgroup (pids_max), a clean
-    environment, the image's root, its cwd, then the command; a missing cwd or command gets the
-    container substrate's message and code."""
+def _enter(harness: bool) -> list[str]:
+    return ["/bin/corral-guest", "enter", *(["--harness"] if harness else []), HOLDER, "--"]
+
+
+def session_script(shell: str, env: dict[str, str], cwd: str, harness: bool = False) -> str:
+    """The guest-side script that becomes a session's shell (the agent has put it in a cgroup of
+    its own): a clean environment, the sandbox's side of the guest, its workdir, then `shell`
+    reading commands from the agent."""
+    return "exec " + shlex.join(["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *_enter(harness), shell, "-c",
+                                 'cd -- "$1" 2>/dev/null; exec "$0"', shell, cwd]) + "\n"
+
+
+def exec_script(argv: list[str], env: dict[str, str], cwd: str, harness: bool = False) -> str:
+    """The guest-side script of one exec (the agent has put it in a cgroup of its own, under the
+    sandbox's, which holds pids_max): a clean environment, the sandbox's side of the guest, its
+    cwd, then the command; a missing cwd or command gets the container substrate's message and code."""
     inner = ('cd -- "$1" 2>/dev/null || { printf "corral: cannot change directory to %s: No such file or directory\\n" "$1" >&2; '
              'exit 126; }; shift; command -v -- "$1" >/dev/null 2>&1 || '
              '{ printf "corral: cannot run %s: No such file or directory\\n" "$1" >&2; exit 127; }; exec "$@"')
-    return "echo $$ > /sys/fs/cgroup/sandbox/cgroup.procs || exit 125\nexec " + shlex.join(["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()),
-                                 "/bin/chroot", "/mnt/root", "/.corral/busybox", "sh", "-c", inner, "corral-exec", cwd, *argv]) + "\n"
+    return "exec " + shlex.join(["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *_enter(harness),
+                                 "/.corral/busybox", "sh", "-c", inner, "corral-exec", cwd, *argv]) + "\n"
 
 
 class MicrovmSubstrate(Substrate):
@@ -439,8 +450,6 @@ class MicrovmSubstrate(Substrate):
         assert isinstance(sb, MicrovmSandbox)
         if sb.paused:
             raise Conflict(f"sandbox {sb.id} is paused; resume it before exec")
-        if req.harness:
-            raise InvalidRequest(f"harness execs are not available on {self.name} sandboxes yet (no separate grader user)")
         for k in req.env:
             if not k or "=" in k or "\0" in k:
                 raise InvalidRequest(f"invalid environment variable name {k!r}")
@@ -454,7 +463,7 @@ class MicrovmSubstrate(Substrate):
         if req.session:
             done = await self._session_exec(sb, req, on_chunk)
         else:
-            done = await sb.chan.exec(exec_script(argv, {**DEFAULT_ENV, **sb.spec.env, **req.env}, cwd),
+            done = await sb.chan.exec(exec_script(argv, {**DEFAULT_ENV, **sb.spec.env, **req.env}, cwd, req.harness),
                                       req.stdin.encode(), req.timeout_s, req.max_output_bytes, on_chunk)
         stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
         code = 137 if done.timed_out else done.exit_code
@@ -472,8 +481,8 @@ class MicrovmSubstrate(Substrate):
             raise InvalidRequest(f"a {req.shell} session needs {shell} in the image, and {sb.spec.image} has none")
         pre = [f"cd -- {shlex.quote(req.cwd)}"] if req.cwd else []
         pre += [f"export {k}={shlex.quote(v)}" for k, v in req.env.items()]
-        call = SessionCall(name=req.session, pre=" && ".join(pre) or "true",
-                           start=session_script(shell, {**DEFAULT_ENV, **sb.spec.env}, sb.spec.workdir or "/"))
+        call = SessionCall(name=req.session, pre=" && ".join(pre) or "true", uid=HARNESS_UID if req.harness else 0,
+                           start=session_script(shell, {**DEFAULT_ENV, **sb.spec.env}, sb.spec.workdir or "/", req.harness))
         script = req.cmd if isinstance(req.cmd, str) else shlex.join(req.cmd)
         async with sb.session_locks[req.session]:
             return await sb.chan.exec(script + "\n", req.stdin.encode(), req.timeout_s, req.max_output_bytes, on_chunk, call)

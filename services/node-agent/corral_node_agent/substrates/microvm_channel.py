@@ -37,6 +37,7 @@ class SessionCall(msgspec.Struct, frozen=True):
     name: str
     start: str  # the guest-side script that becomes the session's shell, when it has none
     pre: str  # shell run before the command, in the session (cd, exports); "true" for nothing
+    uid: int = 0  # whose the call's files in the root are: the session's user (HARNESS_UID for a harness session)
 
 
 class FileAnswer(msgspec.Struct, frozen=True):
@@ -47,6 +48,11 @@ class FileAnswer(msgspec.Struct, frozen=True):
 
 def b64(data: bytes) -> str:
     return "-" + base64.b64encode(data).decode()
+
+
+def raw(data: bytes) -> str:
+    """The field of bytes sent raw after the request's line (GuestChannel.send)."""
+    return f"={len(data)}"
 
 
 def unb64(field: str) -> bytes:
@@ -114,20 +120,23 @@ class GuestChannel:
                     fut.set_exception(Internal("the microvm's guest agent went away"))
             self.waiting.clear()
 
-    async def send(self, op: str, rid: str, *fields: str) -> None:
+    async def send(self, op: str, rid: str, *fields: str, payload: bytes = b"") -> None:
+        """One request line, then `payload`: the bytes of its raw field (RAW), which the agent
+        reads off the port by count right after the line (the shell's `read` takes a line one
+        byte at a time: megabytes of base64 in one took seconds under TCG)."""
         if self.closed or self.writer is None:
             raise Internal("the microvm's guest agent went away")
         async with self.lock:
-            self.writer.write(" ".join((op, rid, *fields)).encode() + b"\n")
+            self.writer.write(" ".join((op, rid, *fields)).encode() + b"\n" + payload)
             await self.writer.drain()
 
-    async def call(self, op: str, *fields: str, rid: str = "") -> list[str]:
+    async def call(self, op: str, *fields: str, rid: str = "", payload: bytes = b"") -> list[str]:
         """Send one request; the answer's fields after its op and id."""
         rid = rid or str(next(self.ids))
         fut: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
         try:
-            await self.send(op, rid, *fields)
+            await self.send(op, rid, *fields, payload=payload)
             return (await fut)[2:]
         finally:
             self.waiting.pop(rid, None)
@@ -143,10 +152,10 @@ class GuestChannel:
         rid = str(next(self.ids))
         limits = (f"{max(timeout_s, 0.001):.3f}", str(max_bytes))
         if session is None:
-            op, fields = "X", (*limits, b64(script.encode()), b64(stdin), "1" if on_chunk else "0")
+            op, fields = "X", (*limits, b64(script.encode()), raw(stdin), "1" if on_chunk else "0")
         else:
             op, fields = "S", (session.name, *limits, "1" if on_chunk else "0", b64(session.start.encode()), b64(session.pre.encode()),
-                               b64(script.encode()), b64(stdin))
+                               b64(script.encode()), raw(stdin), str(session.uid))
         sent = {"stdout": 0, "stderr": 0}
         if on_chunk is not None:
             def chunk(name: str, data: bytes) -> None:
@@ -155,7 +164,7 @@ class GuestChannel:
 
             self.streams[rid] = chunk
         try:
-            a = await asyncio.wait_for(self.call(op, *fields, rid=rid), timeout_s + HOST_GRACE_S)
+            a = await asyncio.wait_for(self.call(op, *fields, rid=rid, payload=stdin), timeout_s + HOST_GRACE_S)
         except TimeoutError:
             with contextlib.suppress(Exception):
                 await self.send("K", rid)
@@ -175,7 +184,7 @@ class GuestChannel:
         return FileAnswer(rc=int(a[0]), mode=int(a[1], 8), data=unb64(a[2]))
 
     async def write_file(self, path: str, data: bytes, mode: int, make_parents: bool) -> FileAnswer:
-        a = await self.call("W", format(mode & 0o7777, "o"), "1" if make_parents else "0", b64(path.encode()), b64(data))
+        a = await self.call("W", format(mode & 0o7777, "o"), "1" if make_parents else "0", b64(path.encode()), raw(data), payload=data)
         return FileAnswer(rc=int(a[0]), mode=0, data=unb64(a[2]))
 
     async def close(self) -> None:

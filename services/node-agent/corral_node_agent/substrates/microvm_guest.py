@@ -1,6 +1,7 @@
 """The microvm guest: the distribution's kernel and an initramfs made here of busybox-static, the
-kernel modules the guest needs (virtio block and serial, EROFS, overlayfs) and corral's guest
-init and agent (corral_node_agent/guest/).
+kernel modules the guest needs (virtio block and serial, EROFS, overlayfs), corral's guest
+init and agent (corral_node_agent/guest/) and corral-guest (init/corral-guest.c: what puts the
+sandbox's commands in namespaces of their own without a capability).
 
 The kernel is Debian's `linux-image-amd64`; QEMU boots its uncompressed ELF image (taken out of
 the bzImage's xz payload once) through PVH, which reaches the guest's init in about half the time
@@ -21,15 +22,17 @@ import msgspec
 
 from corral_common.contract.errors import Unavailable
 
+from ..initbin import INIT_DIR, ensure_binary
+
 GUEST_CACHE = os.environ.get("CORRAL_GUEST_CACHE", "/var/lib/corral/guest")
 BUSYBOX = "/bin/busybox"
 #: loaded in this order (each after what it depends on): crc32c_generic is the crc32c that
 #: libcrc32c (erofs') asks the crypto API for, which would load it with modprobe; virtio_mmio is
 #: the microvm machine's transport, virtio_pci the q35 one's (`vm`)
 MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "crc32c_generic", "erofs", "overlay")
-APPLETS = ("sh", "mount", "insmod", "mkdir", "cat", "sed", "hostname", "poweroff", "sleep", "chroot", "env", "setsid", "tail",
+APPLETS = ("sh", "mount", "insmod", "mkdir", "cat", "sed", "hostname", "poweroff", "sleep", "env", "setsid", "tail",
            "base64", "head", "wc", "kill", "rm", "mv", "mkfifo", "printf", "echo", "basename", "dirname", "touch",
-           "chmod", "test", "[")
+           "chmod", "chown", "rmdir", "dd", "test", "[")
 
 
 class Guest(msgspec.Struct, frozen=True):
@@ -137,7 +140,7 @@ def _script(name: str) -> bytes:
     return resources.files("corral_node_agent").joinpath(f"guest/{name}").read_bytes()
 
 
-def build_initramfs(version: str) -> bytes:
+def build_initramfs(version: str, helper: str) -> bytes:
     if not os.path.exists(BUSYBOX):
         raise Unavailable("busybox-static is not installed (apt-get install busybox-static)")
     a = _Cpio()
@@ -148,6 +151,8 @@ def build_initramfs(version: str) -> bytes:
         a.file("bin/busybox", f.read(), 0o755)
     for applet in APPLETS:
         a.symlink(f"bin/{applet}", "busybox")
+    with open(helper, "rb") as f:
+        a.file("bin/corral-guest", f.read(), 0o755)
     names = []
     for path in module_order(version):
         with open(path, "rb") as f:
@@ -166,7 +171,10 @@ def build_initramfs(version: str) -> bytes:
 def ensure_guest(cache: str = GUEST_CACHE) -> Guest:
     """The kernel and initramfs for this host's newest kernel, made once (an atomic rename each)."""
     bzimage, version = find_kernel()
-    key = hashlib.sha256(_script("init.sh") + _script("agent.sh") + " ".join((version, *MODULES, *APPLETS)).encode()).hexdigest()[:12]
+    with open(f"{INIT_DIR}/corral-guest.c", "rb") as f:
+        helper_source = f.read()
+    key = hashlib.sha256(_script("init.sh") + _script("agent.sh") + helper_source
+                         + " ".join((version, *MODULES, *APPLETS)).encode()).hexdigest()[:12]
     d = os.path.join(cache, f"{version}-{key}")
     kernel, initrd = f"{d}/vmlinux", f"{d}/initrd.gz"
     os.makedirs(d, mode=0o755, exist_ok=True)
@@ -174,7 +182,7 @@ def ensure_guest(cache: str = GUEST_CACHE) -> Guest:
         with open(bzimage, "rb") as f:
             _write_atomic(kernel, extract_vmlinux(f.read()))
     if not os.path.exists(initrd):
-        _write_atomic(initrd, build_initramfs(version))
+        _write_atomic(initrd, build_initramfs(version, ensure_binary(d, "corral-guest")))
     return Guest(kernel=kernel, initrd=initrd, version=version)
 
 

@@ -1,0 +1,246 @@
+/*
+ * corral-guest: what stands between a microvm/vm guest's agent (full root of the guest kernel,
+ * guest/agent.sh) and the commands it runs for the sandbox.
+ *
+ * Why it exists: the guest's kernel is the boundary to the host, but inside the guest the
+ * sandbox's commands must still not reach the agent, the harness's (grader's) processes and
+ * files, or the kernel's knobs: a command that could would make a reward mean nothing. So the
+ * guest gives its commands what a container gives them: their own PID namespace and /proc (the
+ * agent's processes are not there to see or trace), the image's root, no capability (bounding
+ * set included, root gets none back at execve), no_new_privs and a seccomp filter that refuses
+ * mounts, namespaces, module and kexec loading, BPF, keyrings and io_uring; harness commands run
+ * as HARNESS_ID, which the agent (root without CAP_DAC_*, CAP_KILL, CAP_SYS_PTRACE) cannot read,
+ * signal or trace.
+ *
+ *   corral-guest hold PIDFILE ROOT    started once by the guest's init: a process that is PID 1 of
+ *                                     a new PID namespace and holds a mount namespace whose "/" is
+ *                                     ROOT (the image's overlay) with the sandbox's /proc, /sys and
+ *                                     /dev (sandbox_view); writes its pid (as the guest sees it) to
+ *                                     PIDFILE and the parent exits. It reaps orphans.
+ *   corral-guest enter [--harness|--files] PIDFILE -- CMD ARGS...
+ *                                     enters the holder's namespaces and root, forks the command
+ *                                     there with every privilege dropped (--files: none dropped,
+ *                                     for the node's file operations), and exits with its status
+ *                                     (128+signal if it was killed). 125 on a set-up failure, with
+ *                                     the reason on stderr.
+ *
+ * Statically linked: the guest's initramfs has no libc.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define HARNESS_ID 64222
+
+static int die(const char *what) {
+    dprintf(2, "corral-guest: %s: %s\n", what, strerror(errno));
+    return 125;
+}
+
+/* no capability in any set, none to be had back: root's execve grants nothing (SECBIT_NOROOT) */
+static int drop_caps(void) {
+    for (int c = 0; c <= 63; c++)
+        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0) return -1;
+    /* SECBIT_NOROOT | SECBIT_NOROOT_LOCKED */
+    if (prctl(PR_SET_SECUREBITS, 0x01 | 0x02, 0, 0, 0) != 0) return -1;
+    return 0;
+}
+
+static int clear_caps(void) {
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct d[2];
+    memset(d, 0, sizeof d);
+    return (int)syscall(SYS_capset, &h, d);
+}
+
+#define NS_FLAGS (CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x80)
+#define DENY(nr) BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (nr), 0, 1), BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM)
+
+static int install_filter(void) {
+    struct sock_filter f[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1), /* x32 */
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        /* clone3's flags are behind a pointer a filter cannot read: ENOSYS sends libcs to clone */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone3, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        DENY(__NR_mount), DENY(__NR_umount2), DENY(__NR_pivot_root), DENY(__NR_chroot), DENY(__NR_unshare),
+        DENY(__NR_setns), DENY(__NR_kexec_load), DENY(__NR_kexec_file_load), DENY(__NR_init_module),
+        DENY(__NR_finit_module), DENY(__NR_delete_module), DENY(__NR_bpf), DENY(__NR_perf_event_open),
+        DENY(__NR_userfaultfd), DENY(__NR_keyctl), DENY(__NR_add_key), DENY(__NR_request_key),
+        DENY(__NR_open_by_handle_at), DENY(__NR_name_to_handle_at), DENY(__NR_reboot), DENY(__NR_swapon),
+        DENY(__NR_swapoff), DENY(__NR_acct), DENY(__NR_quotactl), DENY(__NR_iopl), DENY(__NR_ioperm),
+        DENY(__NR_syslog), DENY(__NR_io_uring_setup), DENY(__NR_io_uring_enter), DENY(__NR_io_uring_register),
+        DENY(__NR_fsopen), DENY(__NR_fsmount), DENY(__NR_move_mount), DENY(__NR_open_tree), DENY(__NR_mount_setattr),
+        /* clone with a namespace flag */
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 0, 3),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),
+        BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, NS_FLAGS, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {.len = sizeof f / sizeof f[0], .filter = f};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
+    return (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog);
+}
+
+/* what the sandbox sees of the guest, in the holder's mount namespace: a /proc of its PID
+   namespace with the kernel's knobs read-only, a read-only /sys, and a /dev of harmless devices
+   only (not the guest's devtmpfs: its virtio-serial port is the agent's line to the host) */
+static int sandbox_view(const char *root) {
+    char p[4096];
+    snprintf(p, sizeof p, "%s/proc", root);
+    umount2(p, MNT_DETACH);
+    if (mount("proc", p, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) return -1;
+    const char *ro[] = {"sys", "sysrq-trigger", "irq", "bus", "fs"};
+    for (size_t i = 0; i < sizeof ro / sizeof ro[0]; i++) {
+        snprintf(p, sizeof p, "%s/proc/%s", root, ro[i]);
+        if (access(p, F_OK) != 0) continue;
+        if (mount(p, p, NULL, MS_BIND | MS_REC, NULL) != 0 ||
+            mount(NULL, p, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) return -1;
+    }
+    const char *masked[] = {"kcore", "keys", "timer_list", "kallsyms", "sched_debug"};
+    for (size_t i = 0; i < sizeof masked / sizeof masked[0]; i++) {
+        snprintf(p, sizeof p, "%s/proc/%s", root, masked[i]);
+        if (access(p, F_OK) == 0 && mount("/dev/null", p, NULL, MS_BIND, NULL) != 0) return -1;
+    }
+    snprintf(p, sizeof p, "%s/sys", root);
+    if (mount(p, p, NULL, MS_BIND | MS_REC, NULL) != 0 ||
+        mount(NULL, p, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) return -1;
+    snprintf(p, sizeof p, "%s/dev", root);
+    umount2(p, MNT_DETACH);
+    if (mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k") != 0) return -1;
+    const char *devs[] = {"null", "zero", "full", "random", "urandom", "tty"};
+    for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) {
+        char src[64];
+        snprintf(src, sizeof src, "/dev/%s", devs[i]);
+        snprintf(p, sizeof p, "%s/dev/%s", root, devs[i]);
+        int fd = open(p, O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
+        if (fd < 0) return -1;
+        close(fd);
+        if (mount(src, p, NULL, MS_BIND, NULL) != 0) return -1;
+    }
+    const char *dirs[][4] = {{"pts", "devpts", "newinstance,ptmxmode=0666,mode=0620", ""}, {"shm", "tmpfs", "mode=1777,size=64m", ""}};
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(p, sizeof p, "%s/dev/%s", root, dirs[i][0]);
+        if (mkdir(p, 0755) != 0 || mount(dirs[i][1], p, dirs[i][1], MS_NOSUID | MS_NOEXEC, dirs[i][2]) != 0) return -1;
+    }
+    const char *links[][2] = {{"ptmx", "pts/ptmx"}, {"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"},
+                              {"stdout", "/proc/self/fd/1"}, {"stderr", "/proc/self/fd/2"}};
+    for (size_t i = 0; i < sizeof links / sizeof links[0]; i++) {
+        snprintf(p, sizeof p, "%s/dev/%s", root, links[i][0]);
+        if (symlink(links[i][1], p) != 0) return -1;
+    }
+    return 0;
+}
+
+static int hold(const char *pidfile, const char *root) {
+    if (unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) return die("unshare");
+    pid_t pid = fork();
+    if (pid < 0) return die("fork");
+    if (pid > 0) {
+        FILE *f = fopen(pidfile, "w");
+        if (!f || fprintf(f, "%d\n", pid) < 0 || fclose(f) != 0) return die(pidfile);
+        return 0;
+    }
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) _exit(die("private mounts"));
+    if (sandbox_view(root) != 0) _exit(die("the sandbox's /proc, /sys and /dev"));
+    /* the image's root becomes this namespace's "/" (switch_root's move: the initramfs cannot be
+       pivoted away), so nothing of the guest's own files is left to reach through /proc/1/root */
+    if (chdir(root) != 0 || mount(root, "/", NULL, MS_MOVE, NULL) != 0 || chroot(".") != 0 || chdir("/") != 0)
+        _exit(die("the sandbox's root"));
+    if (drop_caps() != 0 || clear_caps() != 0) _exit(die("dropping capabilities"));
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    int fd = open("/dev/null", O_RDWR);
+    if (fd >= 0) {
+        dup2(fd, 0), dup2(fd, 1), dup2(fd, 2);
+        if (fd > 2) close(fd);
+    }
+    /* PID 1 of the namespace: orphans come here to be reaped */
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        sigwaitinfo(&chld, NULL);
+    }
+}
+
+/* mode: 0 the agent's command, 1 the harness's, 2 the node's file operations (root, all its
+   capabilities, but the sandbox's view of the files: its symlinks lead nowhere else) */
+static int enter(int mode, const char *pidfile, char **argv) {
+    FILE *f = fopen(pidfile, "r");
+    int holder = 0;
+    if (!f || fscanf(f, "%d", &holder) != 1 || holder <= 1) return die("the sandbox's namespace holder");
+    fclose(f);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/root", holder);
+    int rootfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (rootfd < 0) return die(path);
+    const char *kinds[] = {"pid", "mnt"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "/proc/%d/ns/%s", holder, kinds[i]);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || setns(fd, 0) != 0) return die(path);
+        close(fd);
+    }
+    if (fchdir(rootfd) != 0 || chroot(".") != 0 || chdir("/") != 0) return die("the sandbox's root");
+    close(rootfd);
+    pid_t pid = fork();
+    if (pid < 0) return die("fork");
+    if (pid == 0) {
+        signal(SIGPIPE, SIG_DFL);
+        if (mode != 2) {
+            if (drop_caps() != 0) _exit(die("dropping the bounding set"));
+            if (mode == 1 && (setgroups(0, NULL) != 0 || setresgid(HARNESS_ID, HARNESS_ID, HARNESS_ID) != 0 ||
+                              setresuid(HARNESS_ID, HARNESS_ID, HARNESS_ID) != 0))
+                _exit(die("becoming the harness user"));
+            if (clear_caps() != 0) _exit(die("dropping capabilities"));
+            if (install_filter() != 0) _exit(die("installing the seccomp filter"));
+        }
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "corral: cannot run %s: %s\n", argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    /* the command's stdio are its own now; this process only waits for it (a signal that ends
+       the exec's process group ends it too, and the kill of its cgroup the command) */
+    int status;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR) return die("wait");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], argv[3]);
+    if (argc >= 5 && strcmp(argv[1], "enter") == 0) {
+        int mode = strcmp(argv[2], "--harness") == 0 ? 1 : strcmp(argv[2], "--files") == 0 ? 2 : 0;
+        int at = 2 + (mode != 0);
+        if (argc >= at + 3 && strcmp(argv[at + 1], "--") == 0) return enter(mode, argv[at], argv + at + 2);
+    }
+    dprintf(2, "corral-guest: usage: corral-guest hold PIDFILE ROOT | corral-guest enter [--harness|--files] PIDFILE -- CMD...\n");
+    return 125;
+}
