@@ -98,8 +98,16 @@ async def test_a_request_delivered_after_unserve_is_still_answered(stack):
             assert (await callers.request(subject, b"served", timeout=5)).data == b"served"
             sid = r.subs[subject]._id
             await r.unserve(subject)
-            with pytest.raises(nats.errors.NoRespondersError):
-                await callers.request(subject, b"", timeout=5)
+            # the server stops routing to it; a request it still routes there in the moment after
+            # (the very late delivery this replays: a clean clone met one here) is answered, never lost
+            for _ in range(50):
+                try:
+                    assert (await callers.request(subject, b"again", timeout=5)).data == b"again"
+                except nats.errors.NoRespondersError:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the server still routes to an unserved subscription 0.5 s later")
             inbox = callers.new_inbox()
             replies = await callers.subscribe(inbox)
             await callers.flush()
