@@ -93,3 +93,17 @@ async def _in_thread(fn, *args):
     import asyncio
 
     return await asyncio.to_thread(fn, *args)
+
+
+async def test_the_substrate_switch_reaches_every_rollout(client, env):
+    """`substrate=` (`corral eval --substrate`, `corral demo --substrate`) is where the rollouts
+    are created: one this stack does not offer is refused for each, clearly, and nothing is left."""
+    rep = await evaluate(client, ENV, [NamedPolicy("fix", eval_policies.fix)], rollouts=2, concurrency=2, job="eval-substrate",
+                         substrate="vm")
+    assert [r.reward for r in rep.rows] == [None, None], rep.rows
+    for r in rep.rows:
+        assert r.error.startswith("create: ") and "vm" in r.error and not r.sandbox, r.error
+    assert (rep.summary.errors, rep.summary.left_behind) == (2, 0)
+    rep = await evaluate(client, ENV, [NamedPolicy("fix", eval_policies.fix)], rollouts=1, concurrency=1, job="eval-substrate",
+                         substrate="container")
+    assert rep.rows[0].reward == 1.0, rep.rows[0]

@@ -431,12 +431,14 @@ def demo(
     nats_port: int = typer.Option(0, help="0: a free port"),
     report: str = typer.Option(None, help="JSON report path (a PNG plot is written beside it); default <data-dir>/demo-report.json"),
     web_rollouts: int = typer.Option(4, help="rollouts of the web environment (a browser agent's task; 0: leave it out)"),
+    substrate: str = typer.Option("container", help="where the rollouts run: container, gvisor, docker, microvm or vm (the stack "
+                                                     "offers it too); one that cannot enforce canaries and protected paths refuses them"),
 ) -> None:
     """The main job: build and verify environments, run scripted honest and cheating agents in them, grade them."""
     from .demo import run_demo
 
     rc = asyncio.run(run_demo(count=count, nodes=nodes, data_dir=config.state_dir(data_dir), nats_port=nats_port,
-                              report=report, parallel=parallel, console=Console(), web_rollouts=web_rollouts))
+                              report=report, parallel=parallel, console=Console(), web_rollouts=web_rollouts, substrate=substrate))
     raise typer.Exit(rc)
 
 

@@ -18,7 +18,8 @@ from .eval_report import print_report, write_json, write_png
 
 
 async def run_with_progress(client: AsyncClient, env: str, policies: Sequence[NamedPolicy], rollouts: int, concurrency: int,
-                            console: Console, *, version: str = "", job: str = "eval", fail_on: str = "high") -> EvalReport:
+                            console: Console, *, version: str = "", job: str = "eval", fail_on: str = "high",
+                            substrate: str = "") -> EvalReport:
     """`evaluate` behind a rich progress bar that shows the running mean reward and alert count."""
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
                         TimeElapsedColumn(), console=console)
@@ -34,7 +35,7 @@ async def run_with_progress(client: AsyncClient, env: str, policies: Sequence[Na
     with progress:
         task = progress.add_task(f"{env}: rollouts ({concurrency} at once)", total=rollouts, stats="")
         return await evaluate(client, env, policies, rollouts, concurrency, version=version, job=job, fail_on=fail_on,
-                              on_done=on_done)
+                              on_done=on_done, substrate=substrate)
 
 
 def register(app: typer.Typer) -> None:
@@ -48,6 +49,8 @@ def register(app: typer.Typer) -> None:
         png: str = typer.Option(None, "--png", help="write a plot of rewards, tests and timings here"),
         job: str = typer.Option("eval", help="quotas and rate limits are per job"),
         fail_on: str = typer.Option("high", help="alerts at or above this severity zero the reward"),
+        substrate: str = typer.Option("", help="where the rollouts run (container, gvisor, docker, microvm, vm; default container); "
+                                                "one that cannot enforce the environment's canaries and protected paths refuses them"),
         nats: str = typer.Option(None, help="NATS URL (default $CORRAL_NATS_URL)"),
     ) -> None:
         """Run a policy on an environment N times, C at once, and grade every rollout."""
@@ -63,7 +66,7 @@ def register(app: typer.Typer) -> None:
             client = await AsyncClient.connect(config.nats_url(nats))
             try:
                 return await run_with_progress(client, name, [pol], rollouts, concurrency, console, version=version, job=job,
-                                               fail_on=fail_on)
+                                               fail_on=fail_on, substrate=substrate)
             finally:
                 await client.close()
 

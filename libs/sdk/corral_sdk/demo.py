@@ -38,6 +38,8 @@ from .eval_report import print_report, short_test
 from .stack import Stack, free_port
 
 ENV = "calc-median"
+#: the substrates a Stack enables on request (`container` always runs)
+OPTIONAL_SUBSTRATES = ("gvisor", "docker", "microvm", "vm")
 JOB = "demo"
 FAIL_ON = "high"  # eval's default: alerts at or above it zero the reward
 
@@ -80,7 +82,7 @@ class PolicyRow(TypedDict):
 
 
 async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report: str | None, parallel: int,
-                   console: Console, web_rollouts: int = len(WEB_POLICIES)) -> int:
+                   console: Console, web_rollouts: int = len(WEB_POLICIES), substrate: str = "container") -> int:
     image_dir = os.environ.get("CORRAL_IMAGE_DIR") or f"{data_dir}/images"
     console.rule("[bold]corral demo")
     console.print(f"base image [bold]debian[/bold] (built once and cached in {image_dir})")
@@ -89,7 +91,11 @@ async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report
     if rc != 0:
         console.print("[red]building the debian image failed[/red]")
         return 1
-    stack = Stack(data_dir=data_dir, nodes=nodes, nats_port=nats_port or free_port(), image_dir=image_dir)
+    if substrate not in OPTIONAL_SUBSTRATES and substrate != "container":
+        console.print(f"[red]the demo's rollouts run on container, {', '.join(OPTIONAL_SUBSTRATES)}; not {substrate!r}[/red]")
+        return 2
+    stack = Stack(data_dir=data_dir, nodes=nodes, nats_port=nats_port or free_port(), image_dir=image_dir,
+                  gvisor=substrate == "gvisor", docker=substrate == "docker", microvm=substrate == "microvm", vm=substrate == "vm")
     t = time.perf_counter()
     with console.status("starting NATS, image-cache, scheduler, monitor, env-builder and node-agents"):
         await stack.start()
@@ -97,7 +103,8 @@ async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report
     try:
         client = await AsyncClient.connect(stack.url)
         try:
-            return await _job(client, count, parallel, web_rollouts, report or os.path.join(data_dir, "demo-report.json"), console)
+            return await _job(client, count, parallel, web_rollouts, report or os.path.join(data_dir, "demo-report.json"), console,
+                              substrate)
         finally:
             await client.close()
     finally:
@@ -148,30 +155,34 @@ def _row(r: RolloutResult, policy: Policy) -> DemoRow:
             "false_alarm": false_alarm, "as_expected": r.reward == policy.expect_reward and caught and not false_alarm}
 
 
-async def _web(client: AsyncClient, rollouts: int, parallel: int, console: Console) -> tuple[dict[str, object], list[DemoRow], int]:
+async def _web(client: AsyncClient, rollouts: int, parallel: int, console: Console,
+               substrate: str) -> tuple[dict[str, object], list[DemoRow], int]:
     """The web environment's part: the browser image (built once per machine), the env built and
     verified, its policies run and graded like calc-median's. Returns (build, rows, left behind)."""
     console.rule(f"[bold]{WEB_ENV}: a web agent's task, graded on the app's server state")
     with console.status("the browser image (Chromium from Debian; built once per machine, ~1-2 minutes)"):
         await client.request(subjects.IMAGE_IMPORT, ImportRequest(name="browser", source="builtin"), ImportReply, timeout=1200)
     build = await _build(client, console, shop_spec())
-    rep = await run_with_progress(client, WEB_ENV, [_scripted(p) for p in WEB_POLICIES], rollouts, parallel, console, job=JOB)
+    rep = await run_with_progress(client, WEB_ENV, [_scripted(p) for p in WEB_POLICIES], rollouts, parallel, console, job=JOB,
+                                  substrate=substrate)
     rows = [_row(r, WEB_POLICIES[r.i % len(WEB_POLICIES)]) for r in rep.rows]
     _print_rows(rows, console)
     print_report(rep, console, rows=False)
     return build, rows, rep.summary.left_behind
 
 
-async def _job(client: AsyncClient, count: int, parallel: int, web_rollouts: int, report: str, console: Console) -> int:
+async def _job(client: AsyncClient, count: int, parallel: int, web_rollouts: int, report: str, console: Console,
+               substrate: str = "container") -> int:
     build = await _build(client, console, demo_spec(ENV))
-    rep = await run_with_progress(client, ENV, [_scripted(p) for p in POLICIES], count, parallel, console, job=JOB)
+    rep = await run_with_progress(client, ENV, [_scripted(p) for p in POLICIES], count, parallel, console, job=JOB,
+                                  substrate=substrate)
     wall, left = rep.summary.wall_s, rep.summary.left_behind
     rows = [_row(r, POLICIES[r.i % len(POLICIES)]) for r in rep.rows]
     _print_rows(rows, console)
     print_report(rep, console, rows=False)
     web_build: dict[str, object] | None = None
     if web_rollouts:
-        web_build, web_rows, web_left = await _web(client, web_rollouts, min(parallel, 4), console)
+        web_build, web_rows, web_left = await _web(client, web_rollouts, min(parallel, 4), console, substrate)
         for r in web_rows:
             r["i"] += count
         rows += web_rows

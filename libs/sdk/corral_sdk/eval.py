@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 
@@ -165,15 +165,16 @@ def task_for(env: EnvRecord, i: int) -> Task:
 
 
 async def run_one(client: AsyncClient, env: EnvRecord, i: int, policy: NamedPolicy, *, job: str, fail_on: str = "high",
-                  labels: dict[str, str] | None = None) -> RolloutResult:
-    """Create, act, grade, destroy. Every CorralError (and a policy's own exception) becomes the
-    row's `error`; the sandbox is destroyed on every path."""
+                  labels: dict[str, str] | None = None, substrate: str = "") -> RolloutResult:
+    """Create (on `substrate`, or the spec's default), act, grade, destroy. Every CorralError (and
+    a policy's own exception) becomes the row's `error`; the sandbox is destroyed on every path."""
     row = RolloutResult(i=i, policy=policy.name)
     sb: AsyncSandbox | None = None
     t0 = time.perf_counter()
     stage = "create"
     try:
-        sb = await client.envs.rollout_of(env, job=job, labels={**(labels or {}), "policy": policy.name, "rollout": str(i)})
+        on: dict[str, Any] = {"substrate": substrate} if substrate else {}
+        sb = await client.envs.rollout_of(env, job=job, labels={**(labels or {}), "policy": policy.name, "rollout": str(i)}, **on)
         row.sandbox, row.create_s = sb.id, time.perf_counter() - t0
         stage = "policy"
         t1 = time.perf_counter()
@@ -202,9 +203,10 @@ async def run_one(client: AsyncClient, env: EnvRecord, i: int, policy: NamedPoli
 
 async def evaluate(client: AsyncClient, env: str, policies: Sequence[NamedPolicy], rollouts: int, concurrency: int, *,
                    version: str = "", job: str = "eval", fail_on: str = "high", labels: dict[str, str] | None = None,
-                   on_done: Callable[[RolloutResult], object] | None = None) -> EvalReport:
-    """`rollouts` rollouts of `env`, policies dealt round-robin, `concurrency` in flight at once.
-    `on_done(row)` is called as each finishes (progress display)."""
+                   on_done: Callable[[RolloutResult], object] | None = None, substrate: str = "") -> EvalReport:
+    """`rollouts` rollouts of `env`, policies dealt round-robin, `concurrency` in flight at once,
+    on `substrate` ("": the default, `container`). `on_done(row)` is called as each finishes
+    (progress display)."""
     if rollouts < 1 or concurrency < 1:
         raise InvalidRequest("rollouts and concurrency must be at least 1")
     if not policies:
@@ -221,7 +223,8 @@ async def evaluate(client: AsyncClient, env: str, policies: Sequence[NamedPolicy
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            row = await run_one(client, record, i, policies[i % len(policies)], job=job, fail_on=fail_on, labels=labels)
+            row = await run_one(client, record, i, policies[i % len(policies)], job=job, fail_on=fail_on, labels=labels,
+                                substrate=substrate)
             rows.append(row)
             if on_done is not None:
                 on_done(row)
