@@ -38,50 +38,56 @@ def _by_path(reply: ChangesReply) -> dict[str, object]:
 async def test_changes_lists_the_writable_layer_and_packs_only_what_is_included(client):
     sb = await client.create(image="busybox", cpu=0.5, memory_mb=128, ttl_s=600)
     try:
-        r = await sb.exec(
-            "set -e; mkdir -p /work/pkg /work/skip && echo hello > /work/pkg/a.txt && printf 'run\\n' > /work/pkg/run.sh && "
-            "chmod 750 /work/pkg/run.sh && echo secret > /work/skip/s.txt && "
-            "echo edited > /etc/hostname && rm /etc/group && "  # an edit and a deletion of image files
-            "rm -rf /var && mkdir /var && echo v > /var/new && "  # an image dir replaced: opaque
-            "ln -s /etc/shadow /work/pkg/shadow && ln -s / /work/pkg/root && mkfifo /work/pkg/fifo && "
-            "echo odd > \"$(printf '/work/pkg/new\\nline\\377x')\" && echo done")
-        assert r.stdout == "done\n", (r.stdout, r.stderr)
-        reply = await sb.changes(include=["/work/pkg"], exclude=["/work/skip"])
-        ch = _by_path(reply)
-        assert ch["/work/pkg/a.txt"].kind == "file" and ch["/work/pkg/a.txt"].size == 6
-        assert ch["/work/pkg/run.sh"].mode == 0o750
-        assert ch["/etc/hostname"].kind == "file"
-        assert ch["/etc/group"].kind == "deleted"
-        assert ch["/var"].kind == "dir" and ch["/var"].opaque and ch["/var/new"].kind == "file"
-        assert not ch["/etc"].opaque  # copied up for the edits inside: the image's entries remain
-        assert ch["/work/pkg/shadow"].kind == "symlink" and ch["/work/pkg/shadow"].target == "/etc/shadow"
-        assert ch["/work/pkg/root"].kind == "symlink" and ch["/work/pkg/root"].target == "/"
-        assert ch["/work/pkg/fifo"].kind == "other"
-        assert ch["/work/pkg/new\nline\\xffx"].kind == "file"  # undecodable bytes as \xNN
-        assert not any(p.startswith("/work/skip") for p in ch)  # excluded from the listing
-        assert not reply.truncated and not reply.too_large
-
-        mem = _members(reply)
-        assert set(mem) == {"work/pkg/a.txt", "work/pkg/run.sh", "work/pkg/shadow", "work/pkg/root",
-                            "work/pkg/new\nline\udcffx"}, sorted(mem)
-        assert reply.packed == len(mem)
-        assert mem["work/pkg/a.txt"][1] == b"hello\n"
-        assert mem["work/pkg/run.sh"][1] == b"run\n" and mem["work/pkg/run.sh"][0].mode == 0o750
-        assert mem["work/pkg/new\nline\udcffx"][1] == b"odd\n"
-        for name in ("work/pkg/shadow", "work/pkg/root"):  # links, never what they point at
-            m, data = mem[name]
-            assert m.issym() and data is None
-        assert mem["work/pkg/shadow"][0].linkname == "/etc/shadow"
-        for m, _ in mem.values():
-            assert m.uid == 0 and m.gid == 0 and not m.isdev() and not m.islnk() and not m.isfifo()
-
-        # nothing included: a listing without an archive; the sandbox runs on afterwards
-        bare = await sb.changes()
-        assert bare.archive_b64 == "" and bare.packed == 0 and "/etc/group" in _by_path(bare)
-        assert (await sb.exec("echo alive")).stdout == "alive\n"
-        assert (await sb.refresh()).state == "running"
+        await check_listing_and_packing(sb)
     finally:
         await sb.destroy()
+
+
+async def check_listing_and_packing(sb) -> None:
+    """Edits, a deletion, an opaque dir, links, a FIFO and an odd name, listed and packed (also run
+    on guests, whose writable layer is read by their agent: test_microvm.py)."""
+    r = await sb.exec(
+        "set -e; mkdir -p /work/pkg /work/skip && echo hello > /work/pkg/a.txt && printf 'run\\n' > /work/pkg/run.sh && "
+        "chmod 750 /work/pkg/run.sh && echo secret > /work/skip/s.txt && "
+        "echo edited > /etc/hostname && rm /etc/group && "  # an edit and a deletion of image files
+        "rm -rf /var && mkdir /var && echo v > /var/new && "  # an image dir replaced: opaque
+        "ln -s /etc/shadow /work/pkg/shadow && ln -s / /work/pkg/root && mkfifo /work/pkg/fifo && "
+        "echo odd > \"$(printf '/work/pkg/new\\nline\\377x')\" && echo done")
+    assert r.stdout == "done\n", (r.stdout, r.stderr)
+    reply = await sb.changes(include=["/work/pkg"], exclude=["/work/skip"])
+    ch = _by_path(reply)
+    assert ch["/work/pkg/a.txt"].kind == "file" and ch["/work/pkg/a.txt"].size == 6
+    assert ch["/work/pkg/run.sh"].mode == 0o750
+    assert ch["/etc/hostname"].kind == "file"
+    assert ch["/etc/group"].kind == "deleted"
+    assert ch["/var"].kind == "dir" and ch["/var"].opaque and ch["/var/new"].kind == "file"
+    assert not ch["/etc"].opaque  # copied up for the edits inside: the image's entries remain
+    assert ch["/work/pkg/shadow"].kind == "symlink" and ch["/work/pkg/shadow"].target == "/etc/shadow"
+    assert ch["/work/pkg/root"].kind == "symlink" and ch["/work/pkg/root"].target == "/"
+    assert ch["/work/pkg/fifo"].kind == "other"
+    assert ch["/work/pkg/new\nline\\xffx"].kind == "file"  # undecodable bytes as \xNN
+    assert not any(p.startswith("/work/skip") for p in ch)  # excluded from the listing
+    assert not reply.truncated and not reply.too_large
+
+    mem = _members(reply)
+    assert set(mem) == {"work/pkg/a.txt", "work/pkg/run.sh", "work/pkg/shadow", "work/pkg/root",
+                        "work/pkg/new\nline\udcffx"}, sorted(mem)
+    assert reply.packed == len(mem)
+    assert mem["work/pkg/a.txt"][1] == b"hello\n"
+    assert mem["work/pkg/run.sh"][1] == b"run\n" and mem["work/pkg/run.sh"][0].mode == 0o750
+    assert mem["work/pkg/new\nline\udcffx"][1] == b"odd\n"
+    for name in ("work/pkg/shadow", "work/pkg/root"):  # links, never what they point at
+        m, data = mem[name]
+        assert m.issym() and data is None
+    assert mem["work/pkg/shadow"][0].linkname == "/etc/shadow"
+    for m, _ in mem.values():
+        assert m.uid == 0 and m.gid == 0 and not m.isdev() and not m.islnk() and not m.isfifo()
+
+    # nothing included: a listing without an archive; the sandbox runs on afterwards
+    bare = await sb.changes()
+    assert bare.archive_b64 == "" and bare.packed == 0 and "/etc/group" in _by_path(bare)
+    assert (await sb.exec("echo alive")).stdout == "alive\n"
+    assert (await sb.refresh()).state == "running"
 
 
 async def test_changes_honour_max_archive_bytes_and_max_entries(client):

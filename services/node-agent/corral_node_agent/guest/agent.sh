@@ -13,6 +13,9 @@
 #   K id                              kill exec id's processes (no answer: its D says so)
 #   R id max -path                    read a regular file inside the root -> F id rc mode -data
 #   W id mode parents -path -data     write one                   -> F id rc 0 -error
+#   U id                              the writable layer, with the sandbox's processes frozen:
+#                                     -> C id t -b64 lines (a tar of it), C id o -b64 lines (the
+#                                     opaque directories, NUL-separated), then T id rc
 #   P id                              -> P id (the host's "are you there")
 # Answers go out whole, one at a time, through one writer; requests are served concurrently.
 # Every exec runs in a cgroup of its own under the sandbox's (which holds pids_max), every session
@@ -191,6 +194,25 @@ writef() {
     rm -f "$R/w$1" "$R/e$1"
     send "$R/a$1"
 }
+frozen() { # 1|0: the sandbox's processes (every exec's and session's cgroup is under $CG) frozen or thawed
+    echo "$1" > "$CG/cgroup.freeze"
+    until [ "$(sed -n 's/^frozen //p' "$CG/cgroup.events")" = "$1" ]; do sleep 0.01; done
+}
+# The answer is a FIFO the writer streams from as it is filled: a writable layer can be as large
+# as the guest's disk_mb, more than its RAM could hold twice.
+upper() {
+    frozen 1
+    mkfifo "$R/a$1"
+    send "$R/a$1"
+    (
+        set -o pipefail
+        rc=0
+        tar -C /mnt/rw/upper -cf - . | base64 -w 49152 | sed "s/^/C $1 t -/" || rc=1
+        /bin/corral-guest opaque /mnt/rw/upper | base64 -w 49152 | sed "s/^/C $1 o -/" || rc=1
+        echo "T $1 $rc"
+    ) > "$R/a$1.out"
+    frozen 0
+}
 echo "H 0 ready" > $R/hello
 send $R/hello
 while read -r op id a b c d e f g h i <&3; do
@@ -201,5 +223,6 @@ while read -r op id a b c d e f g h i <&3; do
         R) readf "$id" "$a" "$b" & ;;
         W) d=$(take "$id" "$d"); writef "$id" "$a" "$b" "$c" "$d" & ;;
         P) echo "P $id" > "$R/a$id"; send "$R/a$id" ;;
+        U) upper "$id" & ;;
     esac
 done

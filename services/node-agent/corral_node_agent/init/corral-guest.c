@@ -23,6 +23,9 @@
  *                                     for the node's file operations), and exits with its status
  *                                     (128+signal if it was killed). 125 on a set-up failure, with
  *                                     the reason on stderr.
+ *   corral-guest opaque DIR           prints, NUL-terminated and relative to DIR, the directories
+ *                                     under DIR marked opaque (xattr trusted.overlay.opaque = y):
+ *                                     what a tar of an overlay's upper directory does not carry.
  *
  * Statically linked: the guest's initramfs has no libc.
  */
@@ -40,7 +43,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ftw.h>
 #include <sys/mount.h>
+#include <sys/xattr.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -234,7 +239,21 @@ static int enter(int mode, const char *pidfile, char **argv) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+static size_t opaque_base;
+
+static int opaque_one(const char *path, const struct stat *st, int type, struct FTW *ftw) {
+    (void)st, (void)ftw;
+    char v[2];
+    if (type == FTW_D && lgetxattr(path, "trusted.overlay.opaque", v, sizeof v) == 1 && v[0] == 'y' && strlen(path) > opaque_base)
+        printf("%s%c", path + opaque_base + 1, '\0');
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "opaque") == 0) {
+        opaque_base = strlen(argv[2]);
+        return nftw(argv[2], opaque_one, 64, FTW_PHYS) == 0 && fflush(stdout) == 0 ? 0 : die(argv[2]);
+    }
     if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], argv[3]);
     if (argc >= 5 && strcmp(argv[1], "enter") == 0) {
         int mode = strcmp(argv[2], "--harness") == 0 ? 1 : strcmp(argv[2], "--files") == 0 ? 2 : 0;

@@ -17,9 +17,10 @@ and vCPUs are the defaults. A streaming exec gets its output every ~0.1 s as the
 it. Sessions are shells the guest agent keeps (guest/agent.sh). Inside the guest, the sandbox's
 commands run in namespaces of their own without a capability, harness commands as HARNESS_UID
 (init/corral-guest.c), out of reach of the agent, which is the guest's root. A memory snapshot
-saves the whole guest (microvm_qmp.py); a create of its image resumes it. Not yet (clear errors):
-file snapshots and forks, file audit and protected paths, adoption after a node-agent restart
-(its guests are cleaned up instead)."""
+saves the whole guest (microvm_qmp.py); a create of its image resumes it. `changes` and file
+snapshots read the writable layer through the agent (microvm_upper.py). Not yet (clear errors):
+forks, file audit, canaries and protected paths, adoption after a node-agent restart (its
+guests are cleaned up instead)."""
 from __future__ import annotations
 
 import asyncio
@@ -37,18 +38,18 @@ import signal
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
 from corral_common.contract.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
 from corral_common.contract.images import GuestMemory
-from corral_common.contract.messages import HARNESS_UID, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from corral_common.contract.messages import HARNESS_UID, ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
 from .. import cgroups
 from ..layermounts import ImageFiles, LayerMounts
 from ..sessions import SHELLS
-from . import microvm_qmp
+from . import microvm_qmp, microvm_upper
 from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
 from .common import result_stderr
 from .container import WARM_PREFIX
@@ -68,6 +69,7 @@ TB_SIZE_MB = 32
 #: the guest kernel, its page cache of the image and the agent, beside memory_mb and disk_mb
 GUEST_BASE_MB = 64
 QEMU_TASKS = 64
+UPPER_S = 60.0  # the guest's writable layer read for `changes` or a snapshot: + 0.1 s per MiB of disk_mb
 BOOT_CPU = 1.0  # the cpu quota while the guest boots (the asked one, if lower, after)
 #: what warm-pool guests boot with: the defaults, so a create that names no sizes claims one
 WARM_SPEC = SandboxSpec(image="busybox")
@@ -512,6 +514,28 @@ class MicrovmSubstrate(Substrate):
             if "No space left" in text:
                 raise InvalidRequest(f"no space left in the sandbox for {path} (disk_mb={sb.spec.disk_mb})")
             raise InvalidRequest(f"cannot write {path} in the sandbox: {text or 'failed'}")
+
+    # ------------------------------------------------------------------ its writable layer, on the host
+
+    @contextlib.asynccontextmanager
+    async def _upper(self, sb: Sandbox) -> AsyncIterator[str]:
+        assert isinstance(sb, MicrovmSandbox)
+        if sb.paused:  # QEMU stopped: its agent cannot answer, and must not run the guest to
+            raise Conflict(f"sandbox {sb.id} is paused; resume it to read its files")
+        async with microvm_upper.pulled(sb.chan, sb.sdir, UPPER_S + sb.spec.disk_mb / 10) as upper:
+            yield upper
+
+    @contextlib.asynccontextmanager
+    async def snapshot_dir(self, sb: Sandbox) -> AsyncIterator[tuple[str, list[str]]]:
+        assert isinstance(sb, MicrovmSandbox)
+        async with self._upper(sb) as upper:
+            yield upper, list(sb.files.layers)
+
+    async def changes(self, sb: Sandbox, req: ChangesRequest) -> ChangesReply:
+        from ..changes import list_changes
+
+        async with sb.changes_lock, self._upper(sb) as upper:
+            return await asyncio.to_thread(list_changes, upper, req)
 
     async def pause(self, sb: Sandbox) -> None:
         assert isinstance(sb, MicrovmSandbox)

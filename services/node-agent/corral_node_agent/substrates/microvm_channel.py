@@ -67,6 +67,7 @@ class GuestChannel:
         self.ids = itertools.count(secrets.randbelow(1 << 48) + 1)
         self.waiting: dict[str, asyncio.Future[list[str]]] = {}
         self.streams: dict[str, Callable[[str, bytes], None]] = {}  # exec id -> its output chunks, as they come
+        self.blobs: dict[str, Callable[[str, bytes], None]] = {}  # request id -> the chunks of its answer (C lines)
         self.writer: asyncio.StreamWriter | None = None
         self.reader_task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
@@ -103,10 +104,10 @@ class GuestChannel:
                 parts = line.decode(errors="replace").split()
                 if len(parts) < 2:
                     continue
-                if parts[0] == "O":  # output of a streaming exec, before its answer
-                    on_chunk = self.streams.get(parts[1])
+                if parts[0] in ("O", "C"):  # output of a streaming exec, or a chunk of an answer, before the answer
+                    on_chunk = (self.streams if parts[0] == "O" else self.blobs).get(parts[1])
                     if on_chunk is not None and len(parts) == 4:
-                        on_chunk(STREAMS.get(parts[2], "stdout"), unb64(parts[3]))
+                        on_chunk(STREAMS.get(parts[2], parts[2]), unb64(parts[3]))
                     continue
                 fut = self.waiting.pop(parts[1], None)
                 if fut is not None and not fut.done():
@@ -178,6 +179,28 @@ class GuestChannel:
                 if len(data) > sent[name]:
                     on_chunk(name, data[sent[name]:])
         return done
+
+    async def upper(self, tar_path: str, timeout_s: float) -> bytes:
+        """The guest's writable layer, read by its agent with the sandbox's processes frozen: a
+        tar of it written to `tar_path` as it comes; returns the opaque directories' list
+        (NUL-separated paths relative to it), which a tar does not carry."""
+        rid = str(next(self.ids))
+        opaque = bytearray()
+        with open(tar_path, "wb") as f:
+            def chunk(kind: str, data: bytes) -> None:
+                if kind == "t":
+                    f.write(data)
+                else:
+                    opaque.extend(data)
+
+            self.blobs[rid] = chunk
+            try:
+                a = await asyncio.wait_for(self.call("U", rid=rid), timeout_s)
+            finally:
+                self.blobs.pop(rid, None)
+        if a[0] != "0":
+            raise Internal("the guest agent could not read the sandbox's writable layer")
+        return bytes(opaque)
 
     async def read_file(self, path: str, max_bytes: int) -> FileAnswer:
         a = await self.call("R", str(max_bytes), b64(path.encode()))

@@ -32,7 +32,7 @@ BUSYBOX = "/bin/busybox"
 MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "crc32c_generic", "erofs", "overlay")
 APPLETS = ("sh", "mount", "insmod", "mkdir", "cat", "sed", "hostname", "poweroff", "sleep", "env", "setsid", "tail",
            "base64", "head", "wc", "kill", "rm", "mv", "mkfifo", "printf", "echo", "basename", "dirname", "touch",
-           "chmod", "chown", "rmdir", "dd", "test", "[")
+           "chmod", "chown", "rmdir", "dd", "tar", "test", "[")
 
 
 class Guest(msgspec.Struct, frozen=True):
