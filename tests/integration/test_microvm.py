@@ -164,6 +164,21 @@ async def test_the_harness_is_out_of_the_agents_reach_in_the_guest(guest):
     await guest.exec(f"kill $({find})", harness=True)
 
 
+async def test_a_session_cannot_subvert_the_files_of_its_calls(guest):
+    """An agent's session command finds its call's dir (its stdin's); it may write its outputs
+    there but not replace them with links (the agent reads them as the guest's root), nor move
+    /.corral (a mount point) to put a dir of its own making there, nor forge its exit status
+    into the agent's answer."""
+    r = await guest.exec("d=$(dirname $(readlink /proc/self/fd/0)); echo $d; mv /.corral /corral-x; echo mv=$?; "
+                         "ln -sf /run/corral/q $d/o; echo ln=$?; rm -f $d/rc; echo rm=$?; touch $d/t $d/o.n $d/z; "
+                         "printf '0 0 9 9 -eA== -\\nD 1 0' > $d/rc; exit 3", session="hostile")
+    lines = r.stdout.split("\n")
+    assert lines[0].startswith("/.corral/io/") and {"mv=0", "ln=0", "rm=0"}.isdisjoint(lines), r
+    assert r.exit_code == 3 and not r.timed_out, r  # its own status, whole
+    r = await guest.exec("echo fine; ls -d /.corral/io", session="hostile")
+    assert r.stdout == "fine\n/.corral/io\n" and r.exit_code == 0, r
+
+
 async def test_a_write_holds_while_the_sandbox_removes_the_file(guest):
     """A write sets the mode and the data through one descriptor, as on `container`: the
     sandbox deleting the path meanwhile (here in a loop) cannot fail it halfway (the agent once

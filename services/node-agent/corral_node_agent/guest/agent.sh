@@ -35,8 +35,6 @@ send() { # file: hand a finished answer to the writer
     mv "$1" "$1.out"
     echo "$1.out" > $R/q
 }
-# the node's file operations: root, but in the sandbox's namespaces and root, where its symlinks
-# and /proc lead nowhere else
 take() { # id field: a raw field's bytes (=N) off the port into a file, named as "@file" for field()
     case "$2" in
         =*)
@@ -56,15 +54,20 @@ field() { # field file: a request's bytes field into file
         *) echo "${1#-}" | base64 -d > "$2" ;;
     esac
 }
+# the node's file operations: root, but in the sandbox's namespaces and root, where its symlinks
+# and /proc lead nowhere else
 inroot() { /bin/corral-guest enter --files /run/corral-holder.pid -- /.corral/busybox "$@"; }
-stream() { # id dir max: what exec id wrote since the last look, each stream up to max bytes
+# An exec's own state (what was streamed, the marks) is kept in $R/x<id>, which only the agent
+# reaches: a session's output dir is one the sandbox may write in, and a link it planted there
+# would be followed by whatever the agent wrote or read in it.
+stream() { # id dir max: what exec id wrote (dir/o, dir/e) since the last look, each up to max bytes
     for sn in o e; do
         n=$(wc -c < "$2/$sn")
-        k=$(cat "$2/$sn.n" 2>/dev/null || echo 0)
+        k=$(cat "$R/x$1/$sn.n" 2>/dev/null || echo 0)
         [ "$n" -gt "$3" ] && n=$3
         if [ "$n" -gt "$k" ]; then
             printf 'O %s %s -%s\n' "$1" "$sn" "$(tail -c +$((k + 1)) "$2/$sn" | head -c $((n - k)) | base64 -w0)" > "$R/c$1$sn$k"
-            echo "$n" > "$2/$sn.n"
+            echo "$n" > "$R/x$1/$sn.n"
             send "$R/c$1$sn$k"
         fi
     done
@@ -91,7 +94,7 @@ run() {
     answer "$1" "$rc" "$t" "$d" "$3" "$st"
 }
 answer() { # id rc timed_out dir max streamer: the last of the output, then D
-    if [ -n "$6" ]; then : > "$4/z"; wait "$6"; stream "$1" "$4" "$5"; fi
+    if [ -n "$6" ]; then : > "$R/x$1/z"; wait "$6"; stream "$1" "$4" "$5"; fi
     printf 'D %s %s %s %s %s -%s -%s\n' "$1" "$2" "$3" "$(wc -c < "$4/o")" "$(wc -c < "$4/e")" \
         "$(head -c "$5" "$4/o" | base64 -w0)" "$(head -c "$5" "$4/e" | base64 -w0)" > "$R/a$1"
     rm -rf "$4" "$R/x$1"
@@ -105,10 +108,10 @@ killall_() { # pgid cgroup: all in the cgroup, and the process group (the timer 
     echo 1 > "$2/cgroup.kill" 2>/dev/null
     kill -KILL -- "-$1" 2>/dev/null
 }
-streamer() { # id dir max on: if on (1), stream in the background until dir/z appears; its pid in $st
+streamer() { # id dir max on: if on (1), stream in the background until $R/x<id>/z appears; its pid in $st
     st=""
     if [ "$4" = 1 ]; then
-        ( while [ ! -e "$2/z" ]; do sleep 0.1; stream "$1" "$2" "$3"; done ) &
+        ( while [ ! -e "$R/x$1/z" ]; do sleep 0.1; stream "$1" "$2" "$3"; done ) &
         st=$!
     fi
 }
@@ -136,24 +139,33 @@ sess() {
         echo $! > "$s/p"
         while [ ! -e "$s/up" ] && kill -0 "$!" 2>/dev/null; do sleep 0.01; done
     fi
-    u=$(cat "$s/uid")
-    chown -R "$u:$u" "$d"
-    chmod 0700 "$d"
+    # the call's files are the harness user's, in a dir under /.corral/io (a tmpfs the sandbox
+    # cannot rename or write: init.sh): a harness session's dir is private to it; an agent
+    # session's shell (root without a capability: "other" here) may write them but not replace
+    # them with links (sticky), which the agent reading its output here would follow
+    : > "$d/rc"
+    chown -R 64222:64222 "$d"
+    if [ "$(cat "$s/uid")" = 0 ]; then
+        chmod 1733 "$d"; chmod 0622 "$d/o" "$d/e" "$d/rc"; chmod 0644 "$d/i" "$d/u"
+    else
+        chmod 0700 "$d"
+    fi
     p=$(cat "$s/p")
     echo "$p" > "$R/x$1/p"
     echo "$cg" > "$R/x$1/cg"
     # the status first, then the mark the agent waits for (shell built-ins only: images vary)
     printf '{ %s && . %s/u; } < %s/i > %s/o 2> %s/e; echo $? > %s/rc; : > %s/r\n' \
         "$(echo "${7#-}" | base64 -d)" "$c" "$c" "$c" "$c" "$c" "$c" 1<> "$s/q"  # read-write: never blocks
-    ( trap 'kill $w 2>/dev/null; exit 0' TERM; sleep "$3" & w=$!; wait $w; : > "$d/t"; killall_ "$p" "$cg" ) &
+    ( trap 'kill $w 2>/dev/null; exit 0' TERM; sleep "$3" & w=$!; wait $w; : > "$R/x$1/t"; killall_ "$p" "$cg" ) &
     tm=$!
     streamer "$1" "$d" "$4" "$5"
-    while [ ! -e "$d/r" ] && [ ! -e "$d/t" ] && [ ! -e "$s/x" ] && kill -0 "$p" 2>/dev/null; do sleep 0.02; done
+    while [ ! -e "$d/r" ] && [ ! -e "$R/x$1/t" ] && [ ! -e "$s/x" ] && kill -0 "$p" 2>/dev/null; do sleep 0.02; done
     kill "$tm" 2>/dev/null
     wait "$tm" 2>/dev/null
     t=0
-    if [ -e "$d/r" ]; then
-        rc=$(cat "$d/rc")
+    if [ -e "$d/r" ] && [ ! -e "$R/x$1/t" ]; then
+        rc=$(head -c 8 "$d/rc")  # written by the session's shell: only a number is taken
+        case "$rc" in ''|*[!0-9]*) rc=1 ;; esac
     elif [ -e "$s/x" ]; then
         rc=$(cat "$s/x"); rm -rf "$s"  # the command ended the session's shell (exit)
     else  # timed out, or killed (K): the session goes with it

@@ -44,6 +44,11 @@ chmod 1777 tmp
 mount -t proc proc proc
 mount -t sysfs sys sys
 mount -t devtmpfs dev dev
+# corral's own files in the root (session calls' files, the busybox the node's file operations
+# run) on a tmpfs of their own: a mount point the sandbox cannot rename away and replace with a
+# directory of its making, owned by the harness's user so that the agent's commands (root without
+# a capability) cannot write or list it
+mount -t tmpfs -o "size=${disk}m,mode=0711,uid=64222,gid=64222" corral .corral || fail "no tmpfs for /.corral"
 touch .corral/busybox
 mount --bind /bin/busybox .corral/busybox
 mount -o remount,bind,ro .corral/busybox  # the agent runs it as the guest's root: the sandbox must not write it
@@ -54,8 +59,6 @@ mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
 echo +pids > /sys/fs/cgroup/cgroup.subtree_control
 mkdir /sys/fs/cgroup/sandbox
 echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
-# the calls' files of sessions: the harness's user owns the dir, so the agent's commands (root
-# without a capability) cannot list it
 mkdir -p /mnt/root/.corral/io
 chown 64222:64222 /mnt/root/.corral/io && chmod 0711 /mnt/root/.corral/io || fail "no io dir"
 # the sandbox's PID and mount namespaces (its own /proc), which every command enters (corral-guest)
