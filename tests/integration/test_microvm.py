@@ -19,7 +19,7 @@ from corral_common.contract import subjects
 from corral_common.contract.images import ImageDeleteReply, NameRequest
 from corral_common.contract.messages import Event, ExecChunk, ExecResult
 from corral_node_agent.substrates.microvm_guest import find_kernel
-from corral_sdk import AsyncClient, Conflict, InvalidRequest, NotFound
+from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFound
 
 from .. import leaks
 from ..conftest import running_stack
@@ -96,6 +96,8 @@ async def test_the_guest_agent_is_out_of_the_sandboxs_reach(guest):
     their own processes (the agent and its timers are in another PID namespace), hold no
     capability, cannot mount, load modules, power the guest off, write the kernel's knobs or
     reach the virtio-serial port the agent answers the host on; a timeout still holds."""
+    r = await guest.exec("for f in /proc/[0-9]*/fd/*; do readlink $f; done; echo end")
+    assert r.stdout.endswith("end\n") and "vport" not in r.stdout, r  # the agent's line to the host is not inherited
     r = await guest.exec("ps -o pid,args")
     assert "agent.sh" not in r.stdout and "/init" not in r.stdout.replace("/bin/corral-guest", ""), r
     kill_timers = "for p in $(pidof sleep); do kill -9 $(cut -d' ' -f4 /proc/$p/stat) $p; done 2>/dev/null"
@@ -153,14 +155,18 @@ async def test_the_harness_is_out_of_the_agents_reach_in_the_guest(guest):
     for step in ("kill", "environ", "io", "u"):
         assert f"{step}=0" not in r.stdout, (step, r)
     assert "answer-42" not in r.stdout, r
-    r = await guest.exec(f"echo $SECRET; [ -n \"$({find})\" ] && echo alive", session="grader", harness=True)
-    assert r.stdout == "answer-42\nalive\n", r
+    r = await guest.exec(f"echo $SECRET; [ -n \"$({find})\" ] && echo alive; {find}", session="grader", harness=True)
+    assert r.stdout.startswith("answer-42\nalive\n"), r
+    with pytest.raises(Forbidden):  # nor through the node's file reads, which run in the sandbox's view
+        await guest.files.read(f"/proc/{r.stdout.split()[-1]}/environ")
     await guest.exec("ln -sf /proc/1/root/agent.sh /tmp/to-agent; ln -sf ../../../../run/corral /tmp/to-run")
     for path in ("/proc/1/root/agent.sh", "/tmp/to-agent", "/tmp/to-run/q", "/agent.sh"):
         with pytest.raises(NotFound):
             await guest.files.read(path)
-    await guest.files.write("/tmp/to-agent", b"echo hijacked")  # through the link: into the sandbox's own root
-    assert (await guest.exec("cat /agent.sh")).stdout == "echo hijacked", "the write went elsewhere"
+    with pytest.raises(InvalidRequest, match="Permission denied"):  # /proc/1/root is the holder's: not to be followed
+        await guest.files.write("/tmp/to-agent", b"echo hijacked")
+    r = await guest.exec("ls /agent.sh; echo still")
+    assert r.stdout == "still\n", r  # nothing was written anywhere, and the guest's agent answers as ever
     await guest.exec(f"kill $({find})", harness=True)
 
 

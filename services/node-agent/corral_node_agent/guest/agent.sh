@@ -12,6 +12,7 @@
 #                                     the call's files are uid's (the session's user)
 #   K id                              kill exec id's processes (no answer: its D says so)
 #   R id max -path                    read a regular file inside the root -> F id rc mode -data
+#                                     (rc 0 read, 1 no such file, 2 a directory, 3 refused, 4 not regular)
 #   W id mode parents -path -data     write one                   -> F id rc 0 -error
 #   U id                              the writable layer, with the sandbox's processes frozen:
 #                                     -> C id t -b64 lines (a tar of it), C id o -b64 lines (the
@@ -173,17 +174,19 @@ sess() {
     fi
     answer "$1" "$rc" "$t" "$d" "$4" "$st"
 }
-readf() {
+readf() { # in one pass in the sandbox's view: its kind, then its mode and bytes
     p=$(echo "${3#-}" | base64 -d)
-    if ! inroot test -e "$p"; then
-        echo "F $1 1 0 -" > "$R/a$1"
-    elif inroot test -d "$p"; then
-        echo "F $1 2 0 -" > "$R/a$1"
-    elif ! inroot test -f "$p"; then
-        echo "F $1 4 0 -" > "$R/a$1"
-    else
-        printf 'F %s 0 %s -%s\n' "$1" "$(inroot stat -L -c %a -- "$p")" "$(inroot head -c "$2" -- "$p" | base64 -w0)" > "$R/a$1"
-    fi
+    inroot sh -c '[ -e "$1" ] || exit 11; [ -d "$1" ] && exit 12; [ -f "$1" ] || exit 14; stat -L -c %a -- "$1" && exec head -c "$2" -- "$1"' \
+        corral-read "$p" "$2" > "$R/r$1" 2>/dev/null
+    case $? in
+        0) m=$(head -n 1 "$R/r$1")
+           printf 'F %s 0 %s -%s\n' "$1" "$m" "$(tail -c +$((${#m} + 2)) "$R/r$1" | base64 -w0)" > "$R/a$1" ;;
+        11) echo "F $1 1 0 -" > "$R/a$1" ;;
+        12) echo "F $1 2 0 -" > "$R/a$1" ;;
+        14) echo "F $1 4 0 -" > "$R/a$1" ;;
+        *) echo "F $1 3 0 -" > "$R/a$1" ;;  # there, but not to be read (a harness process's /proc entry)
+    esac
+    rm -f "$R/r$1"
     send "$R/a$1"
 }
 # A write goes through one descriptor (mode set on it, then the data), as on `container`: the

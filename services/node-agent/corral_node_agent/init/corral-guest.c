@@ -19,8 +19,9 @@
  *                                     PIDFILE and the parent exits. It reaps orphans.
  *   corral-guest enter [--harness|--files] PIDFILE -- CMD ARGS...
  *                                     enters the holder's namespaces and root, forks the command
- *                                     there with every privilege dropped (--files: none dropped,
- *                                     for the node's file operations), and exits with its status
+ *                                     there with every privilege dropped (--files: all but those
+ *                                     file access takes (FILE_CAPS), for the node's file
+ *                                     operations), and exits with its status
  *                                     (128+signal if it was killed). 125 on a set-up failure, with
  *                                     the reason on stderr.
  *   corral-guest opaque DIR           prints, NUL-terminated and relative to DIR, the directories
@@ -59,11 +60,21 @@ static int die(const char *what) {
     return 125;
 }
 
+/* the node's file operations keep what reading and writing any file of the sandbox takes
+   (CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_FSETID) and nothing else:
+   without CAP_SYS_PTRACE a link through /proc/<pid>/ of the harness's processes is refused */
+#define FILE_CAPS 0x1fULL
+
+/* the bounding set cut to `keep`, and no ambient capability */
+static int drop_bounding(unsigned long long keep) {
+    for (int c = 0; c <= 63; c++)
+        if (!(keep & (1ULL << c)) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    return prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+}
+
 /* no capability in any set, none to be had back: root's execve grants nothing (SECBIT_NOROOT) */
 static int drop_caps(void) {
-    for (int c = 0; c <= 63; c++)
-        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) != 0 && errno != EINVAL) return -1;
-    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0) return -1;
+    if (drop_bounding(0) != 0) return -1;
     /* SECBIT_NOROOT | SECBIT_NOROOT_LOCKED */
     if (prctl(PR_SET_SECUREBITS, 0x01 | 0x02, 0, 0, 0) != 0) return -1;
     return 0;
@@ -177,6 +188,7 @@ static int hold(const char *pidfile, const char *root) {
         _exit(die("the sandbox's root"));
     if (drop_caps() != 0 || clear_caps() != 0) _exit(die("dropping capabilities"));
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    syscall(SYS_close_range, 3, ~0U, 0);
     int fd = open("/dev/null", O_RDWR);
     if (fd >= 0) {
         dup2(fd, 0), dup2(fd, 1), dup2(fd, 2);
@@ -218,7 +230,13 @@ static int enter(int mode, const char *pidfile, char **argv) {
     if (pid < 0) return die("fork");
     if (pid == 0) {
         signal(SIGPIPE, SIG_DFL);
-        if (mode != 2) {
+        /* nothing of the agent's but stdio: its shell holds the virtio-serial port (its line to
+           the host) and more, and a descriptor left open would be the command's to write to */
+        if (syscall(SYS_close_range, 3, ~0U, 0) != 0) _exit(die("closing the agent's descriptors"));
+        if (mode == 2) { /* root's execve leaves it the bounding set: FILE_CAPS */
+            if (drop_bounding(FILE_CAPS) != 0 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+                _exit(die("dropping capabilities"));
+        } else {
             if (drop_caps() != 0) _exit(die("dropping the bounding set"));
             if (mode == 1 && (setgroups(0, NULL) != 0 || setresgid(HARNESS_ID, HARNESS_ID, HARNESS_ID) != 0 ||
                               setresuid(HARNESS_ID, HARNESS_ID, HARNESS_ID) != 0))

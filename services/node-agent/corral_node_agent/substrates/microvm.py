@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
-from corral_common.contract.errors import Conflict, Internal, InvalidRequest, NotFound, Unavailable
+from corral_common.contract.errors import Conflict, Forbidden, Internal, InvalidRequest, NotFound, Unavailable
 from corral_common.contract.images import GuestMemory
 from corral_common.contract.messages import HARNESS_UID, ChangesReply, ChangesRequest, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
@@ -498,6 +498,8 @@ class MicrovmSubstrate(Substrate):
             raise InvalidRequest(f"{path} is a directory")
         if a.rc == 4:
             raise InvalidRequest(f"{path} is not a regular file")
+        if a.rc != 0:
+            raise Forbidden(f"{path} cannot be read in sandbox {sb.id} (permission denied)")
         if len(a.data) > max_bytes:
             raise InvalidRequest(f"{path} is more than max_bytes={max_bytes}")
         return a.data, a.mode
