@@ -31,6 +31,7 @@ log = logging.getLogger("corral.scheduler")
 LEASE_RENEW_S = 1.0
 LEASE_STALE_S = 6.0  # a lease not renewed for this long: its attempt is gone
 POLL_S = 0.2  # how often a repeat looks at the record of the attempt it waits for
+WAIT_LOG_S = 10.0  # a repeat that waits this long for another attempt says so, and again every as long
 
 
 class BatchRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -82,7 +83,12 @@ class Records:
                       spec: SandboxSpec) -> BatchRecord | None:
         """The record of a finished attempt, waiting for one that is still placing; None when
         there is none, or its attempt is gone (this one takes over)."""
+        t0, told = time.time(), 0.0
         while record is not None and record.placing(time.time()):
+            if time.time() - t0 - told >= WAIT_LOG_S:  # (a clean clone saw repeats wait out 120 s each: say who is waited for)
+                told = time.time() - t0
+                logs.kv(log, logging.WARNING, "batch repeat still waiting for another attempt", request_id=rid,
+                        waited_s=round(told, 1), lease_age_s=round(time.time() - record.alive_at, 1))
             await asyncio.sleep(POLL_S)
             record = await self.get(key)
             if record is not None:
