@@ -98,8 +98,14 @@ async def test_a_request_delivered_after_unserve_is_still_answered(stack):
             assert (await callers.request(subject, b"served", timeout=5)).data == b"served"
             sid = r.subs[subject]._id
             await r.unserve(subject)
+            # replayed at once, while the subscription surely lingers (the probe below takes time)
+            inbox = callers.new_inbox()
+            replies = await callers.subscribe(inbox)
+            await callers.flush()
+            await nc._process_msg(sid, subject.encode(), inbox.encode(), b"late", b"")  # as the server sent it
+            assert (await replies.next_msg(timeout=5)).data == b"late"
             # the server stops routing to it; a request it still routes there in the moment after
-            # (the very late delivery this replays: a clean clone met one here) is answered, never lost
+            # (the very late delivery replayed above: a clean clone met one here) is answered, never lost
             for _ in range(50):
                 try:
                     assert (await callers.request(subject, b"again", timeout=5)).data == b"again"
@@ -108,11 +114,6 @@ async def test_a_request_delivered_after_unserve_is_still_answered(stack):
                 await asyncio.sleep(0.01)
             else:
                 pytest.fail("the server still routes to an unserved subscription 0.5 s later")
-            inbox = callers.new_inbox()
-            replies = await callers.subscribe(inbox)
-            await callers.flush()
-            await nc._process_msg(sid, subject.encode(), inbox.encode(), b"late", b"")  # as the server sent it
-            assert (await replies.next_msg(timeout=5)).data == b"late"
             if drain:
                 t0 = time.monotonic()
                 await r.drain()
