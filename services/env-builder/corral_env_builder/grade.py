@@ -37,7 +37,7 @@ from corral_common.contract.envs import (
     TestOutcome,
 )
 from corral_common.contract.errors import CorralError, Internal, InvalidRequest, Timeout, Unavailable
-from corral_common.contract.messages import AuditState, ExecResult, SandboxSpec
+from corral_common.contract.messages import AuditState, ChangesReply, ExecResult, SandboxSpec
 from corral_sdk.client import AsyncClient, AsyncSandbox
 
 from . import codescan, surface, testrun, verify, workspace
@@ -166,14 +166,14 @@ class Grader:
         """The rollout's changes, judged; the contents of exactly the carried ones; then its audit
         state, so every event up to the moment the layer was read is covered. Between the listing
         and the packing the agent's processes may change things: what is packed is re-checked."""
-        listing = await rollout.changes()
+        listing = await _changes(rollout)
         verdict = surf.judge(listing.changes)
         archives, incomplete = [], ""
         if listing.truncated:
             incomplete = "the rollout changed more files than grading reads (50,000): the solution cannot be carried whole"
         paths = [c.path for c in verdict.carried]
         for i in range(0, len(paths), INCLUDE_BATCH):
-            packed = await rollout.changes(include=paths[i:i + INCLUDE_BATCH])
+            packed = await _changes(rollout, include=paths[i:i + INCLUDE_BATCH])
             if packed.too_large:
                 incomplete = (f"the solution is larger than grading carries (4 MiB packed per {INCLUDE_BATCH} files): "
                               + ", ".join(packed.too_large[:5]))
@@ -312,3 +312,17 @@ async def _must(aw, what: str) -> ExecResult:
     if r.exit_code != 0:
         raise RuntimeError(f"{what} in the grading sandbox failed: {workspace.tail(r)}")
     return r
+
+
+async def _changes(rollout: AsyncSandbox, include: list[str] | None = None, tries: int = 5) -> ChangesReply:
+    """The rollout's `changes`, asked again while its node answers `unavailable` (its sandbox
+    could not be frozen in time, e.g. under load: it says to retry): a grade must not fail, nor
+    reward, on that."""
+    for attempt in range(tries):
+        try:
+            return await rollout.changes(include=include)
+        except Unavailable as e:
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(e.retry_after_s or 0.5)
+    raise Internal("unreachable")
