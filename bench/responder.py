@@ -136,7 +136,7 @@ async def serve(url: str) -> None:
         await msg.respond(str(time.process_time_ns()).encode())
 
     await nc.subscribe(f"{PREFIX}.cpu", cb=on_cpu)
-    await nc.flush()
+    await bus.barrier(nc)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the client closes our stdin
     await svc.stop()

@@ -6,7 +6,7 @@ import time
 import nats
 import pytest
 
-from corral_common import auth
+from corral_common import auth, bus
 from corral_common.contract.errors import Timeout
 from corral_common.contract.replies import NodePingReply
 from corral_sdk import AsyncClient
@@ -24,7 +24,7 @@ async def responder_dropping_first_asking(url: str, subject: str) -> tuple[nats.
             await m.respond(b'{"ok": true, "node": "n", "sandboxes": 0}')
 
     await responder.subscribe(subject, cb=answer)
-    await responder.flush()
+    assert await bus.barrier(responder)
     return responder, heard
 
 

@@ -14,6 +14,7 @@ import msgspec
 import nats
 import pytest_asyncio
 
+from corral_common import bus
 from corral_common.contract import subjects
 from corral_common.contract.audit import Alert, AuditBatch, AuditEvent, EvaluateRequest, Finding, event_id
 from corral_sdk import AsyncClient
@@ -54,7 +55,7 @@ async def bus_alerts(enc):
         got.append((msg.subject, msgspec.json.decode(msg.data, type=Alert)))
 
     sub = await enc.subscribe(subjects.ALERTS_ALL, cb=on_msg)
-    await enc.flush()
+    assert await bus.barrier(enc)
     yield got
     await sub.unsubscribe()
 

@@ -51,15 +51,16 @@ async def connect(url: str, name: str, creds: str | None = None, **kw: Any) -> N
     )
 
 
-async def ready(nc: NATS, logger: logging.Logger, line: str, wait_s: float = 30.0, **fields: Any) -> None:
-    """Log a service's ready line once the server has its subscriptions: a subscribe only queues
-    SUB for the connection's writer, and whoever acts on the line (a test, `corral up`, an
-    operator's probe) must not find "no responders" for a subject the service says it serves.
+async def barrier(nc: NATS, wait_s: float = 10.0) -> bool:
+    """Wait until the server has handled every command this connection sent before (a SUB is in
+    place, an UNSUB done, and every message the server routed to us before it has been read);
+    False when the server did not answer within `wait_s`.
 
-    The barrier is a message to ourselves: the server handles one connection's commands in
-    order, so hearing it back means every earlier SUB is in place. Not `nc.flush()`: nats-py
-    (2.16) cancels the PING's future on its timeout, and the late PONG then stops the client's
-    read loop for good."""
+    A message to ourselves: the server handles one connection's commands in order, and what it
+    sends us comes back in order. Not `nc.flush()`: nats-py (2.16) writes the PING straight to
+    the socket, ahead of the SUBs and UNSUBs still queued for its writer (seen: `subscribe` then
+    `flush` puts `PING` on the wire before `SUB`), so its PONG proves nothing about them; and it
+    cancels the PING's future on its timeout, after which the late PONG stops the read loop."""
     inbox = nc.new_inbox()
     heard = asyncio.Event()
 
@@ -67,13 +68,23 @@ async def ready(nc: NATS, logger: logging.Logger, line: str, wait_s: float = 30.
         heard.set()
 
     sub = await nc.subscribe(inbox, cb=on_echo, max_msgs=1)
-    await nc.publish(inbox, b"")
     try:
+        await nc.publish(inbox, b"")
         await asyncio.wait_for(heard.wait(), wait_s)
+        return True
     except asyncio.TimeoutError:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def ready(nc: NATS, logger: logging.Logger, line: str, wait_s: float = 30.0, **fields: Any) -> None:
+    """Log a service's ready line once the server has its subscriptions: a subscribe only queues
+    SUB for the connection's writer, and whoever acts on the line (a test, `corral up`, an
+    operator's probe) must not find "no responders" for a subject the service says it serves."""
+    if not await barrier(nc, wait_s):
         log.warning("the server did not echo within %ss; ready all the same", wait_s)
-    with contextlib.suppress(Exception):
-        await sub.unsubscribe()
     logs.kv(logger, logging.INFO, line, **fields)
 
 
@@ -362,11 +373,11 @@ class Responder:
         """Stop serving `key`, answering every request the server routed to it: none times out.
 
         Drained, not dropped (nats-py's `unsubscribe` discards what is in flight or queued for
-        the callback): UNSUB, a round trip, the queue handled. And then still served for
-        `LATE_S`: nats-server can deliver a request it matched against the subscription before
-        the UNSUB after the round trip's PONG (seen here: ~1 in 35 unserves under a flood, a
-        whole burst of requests up to ~1 ms late), and nats-py drops a message for a
-        subscription it has forgotten, leaving its caller to time out."""
+        the callback): UNSUB, a `barrier`, the queue handled. And then still served for
+        `LATE_S`, a margin: nats-py drops a message for a subscription it has forgotten, leaving
+        its caller to time out. The late deliveries once seen here (~1 in 35 unserves under a
+        flood, requests arriving after the round trip) were that round trip's: `nc.flush()`
+        puts its PING on the wire ahead of the queued UNSUB."""
         op = self.ops.pop(key, None)
         if op is not None:
             self.discovery.remove(op)
@@ -381,7 +392,8 @@ class Responder:
             return
         try:
             await self.nc._send_unsubscribe(sub._id)
-            await self.nc.flush()
+            if not await barrier(self.nc):
+                raise TimeoutError("no echo")
             await sub._pending_queue.join()
         except Exception:  # the connection failed meanwhile: what was routed here is lost with it
             self._forget(sub)
