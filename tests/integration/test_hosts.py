@@ -353,6 +353,7 @@ async def test_a_killed_host_loses_nothing(hosts: Stack):
               f"{'' if isinstance(outcome, BaseException) else sorted({f.code for f in outcome.failed})}")
         assert not isinstance(outcome, BaseException) or isinstance(outcome, (Timeout, Unavailable)), outcome
         # the same request again settles it: exactly BATCH sandboxes, on the hosts still up
+        r = None
         for _ in range(5):
             try:
                 r = await c.create_batch_reply(BATCH, timeout=120, **spec)
@@ -362,6 +363,9 @@ async def test_a_killed_host_loses_nothing(hosts: Stack):
             if len(r.sandboxes) == BATCH and not r.failed:
                 break
             await asyncio.sleep(2)
+        if r is None:
+            said = {name: lines[-40:] for name, lines in _logged(hosts, [rid]).items() if "scheduler" in name}
+            pytest.fail(f"5 retries of the batch went unanswered; the schedulers said: {said}")
         ids = [s.id for s in r.sandboxes]
         assert len(ids) == BATCH == len(set(ids)) and not r.failed, r.failed[:3]
         listed = await c.list(job=job)

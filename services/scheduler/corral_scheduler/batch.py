@@ -282,7 +282,7 @@ class Batches:
         failed = [BatchFailure(index=i, code=r.code.value, message=r.message) for i, r in enumerate(results) if isinstance(r, CorralError)]
         if rid:
             await self.records.finish(key, rid, req.count, [f.index for f in failed], digest)
-        logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, count=req.count, placed=len(made), failed=len(failed),
+        logs.kv(log, logging.INFO, "batch placed", batch_id=batch_id, request_id=rid, count=req.count, placed=len(made), failed=len(failed),
                 seconds=round(time.perf_counter() - t0, 3))
         if not made:
             first = failed[0]
@@ -416,6 +416,8 @@ class _Placing:
                 if len(reply.results) != k:
                     whole = CorralError(f"node {node} answered a batch of {k} with {len(reply.results)} results", Code.INTERNAL)
         if whole is not None:
+            logs.kv(log, logging.WARNING, "batch share not made", request_id=spec.request_id, node=node, items=k,
+                    code=whole.code.value, error=whole.message)
             st.reservations.remove(res)
             if whole.code in (Code.CAPACITY, Code.UNAVAILABLE):
                 self.refused.add(node)
@@ -466,4 +468,6 @@ class _Placing:
         if made:
             PLACEMENTS.labels(node).inc(made)
         await self.progress.add(placed=made, failed=failed)
+        logs.kv(log, logging.INFO, "batch share answered", request_id=spec.request_id, node=node, items=k, made=made,
+                failed=failed, again=len(retry))
         return retry
