@@ -12,6 +12,7 @@ import secrets
 import time
 
 import msgspec
+import nats
 import pytest
 import pytest_asyncio
 
@@ -23,6 +24,7 @@ from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFoun
 
 from .. import leaks
 from ..conftest import running_stack
+from .test_audit_sources import check_canaries, check_protected_paths, import_protected_image
 from .test_changes import check_listing_and_packing
 from .test_warm_pool import Heartbeats
 
@@ -251,16 +253,33 @@ async def test_what_a_guest_cannot_do_yet_is_refused_clearly(vm_stack, guest, su
     _, c = vm_stack
     with pytest.raises(InvalidRequest, match=substrate):
         await c.create(image="busybox", substrate=substrate, fork_of=guest.id)
-    # no file audit in the guest yet: a canary's read would go unseen, so an environment with
-    # canaries (the demo's) is refused rather than graded blind
-    with pytest.raises(InvalidRequest, match=f"canaries are not enforced on the '{substrate}' substrate"):
-        await c.create(image="busybox", substrate=substrate, canaries={"/answers.json": "42"})
     await guest.pause()
     try:
         with pytest.raises(Conflict, match="paused"):  # its agent cannot answer while QEMU is stopped
             await guest.changes()
     finally:
         await guest.resume()
+
+
+async def test_protected_paths_in_a_guest_are_unreadable_and_every_attempt_is_audited(vm_stack, substrate):
+    """The guest's own kernel guards them (corral-guest guard): the same checks as a container's,
+    but the alert (no monitor on this stack) and file activity (the node sees no guest's root)."""
+    s, c = vm_stack
+    image = await import_protected_image(s.url)
+    nc = await nats.connect(s.url)
+    try:
+        await check_protected_paths(c, nc, image, substrate=substrate, monitored=False)
+    finally:
+        await nc.close()
+
+
+async def test_canaries_in_a_guest_are_readable_and_reported(vm_stack, substrate):
+    s, c = vm_stack
+    nc = await nats.connect(s.url)
+    try:
+        await check_canaries(c, nc, substrate=substrate, monitored=False)
+    finally:
+        await nc.close()
 
 
 async def test_changes_of_a_guest_are_read_by_its_agent_and_listed_as_a_containers(guest):

@@ -21,10 +21,11 @@ from corral_common.contract.messages import AuditState, SandboxInfo
 
 from .. import confine
 from ..substrates import Substrate
-from ..substrates.base import Sandbox
+from ..substrates.base import GuardedOpen, Sandbox
 from ..table import SandboxTable
 from .fanotify import FileAudit
 from .fanotify import norm as _norm_path
+from .fanotify import under as _under
 from .files import FileActivity
 from .limits import Limits
 from .log import AuditLog
@@ -153,7 +154,7 @@ class AuditWiring:
                     sandbox=sb.id)
             self.log.loss(sb.id, "seccomp notify fd not recovered after restart", 0)
         try:
-            await self.watch_files(sb)
+            await self.watch_files(sb, sub)
         except Exception as e:
             logs.kv(log, logging.ERROR, "could not mark protected paths of an adopted sandbox", sandbox=sb.id, error=str(e))
         await self.watch_activity(sb, sub)
@@ -254,24 +255,37 @@ class AuditWiring:
         if self.activity is not None:
             self.activity.remove(sid)
 
-    async def watch_files(self, sb: Sandbox) -> None:
-        """Mark the sandbox's protected paths and canaries (container roots only)."""
+    async def watch_files(self, sb: Sandbox, sub: Substrate) -> None:
+        """Mark the sandbox's protected paths and canaries: on a root the host sees, in the node's
+        fanotify group; in a guest, by the guest's own guard (`Substrate.guard_paths`)."""
+        if not (sb.spec.protected_paths or sb.spec.canaries):
+            return
+        if sub.guards_paths:
+            sid = sb.id
+            await sub.guard_paths(sb, lambda o: self._on_guarded_open(sid, o))
+            return
         root = sb.rootfs
-        if self.files_audit is None or root is None or not (sb.spec.protected_paths or sb.spec.canaries):
+        if self.files_audit is None or root is None:
             return
         decoys = [(m.path, m.decoy) for m in sb.masks]
         await asyncio.to_thread(self.files_audit.add, sb.id, root, list(sb.spec.protected_paths), list(sb.spec.canaries), decoys)
 
     async def check_file_read(self, sb: Sandbox, path: str) -> None:
-        """files.read: a protected path (by name or through links) is Forbidden, a canary is reported."""
-        if self.files_audit is None:
+        """files.read: a protected path (by name or through links) is Forbidden, a canary is reported.
+        A guest's guard sees what files.read opens there (links followed in the guest): here only
+        a protected path named as such is refused, before the guest is asked."""
+        if sb.rootfs is None:
+            p = _norm_path(path)
+            hit = next((_norm_path(t) for t in sb.spec.protected_paths if _under(p, _norm_path(t))), None)
+        elif self.files_audit is None:
             return
-        hit = await asyncio.to_thread(self.files_audit.check_read, sb.id, path)
+        else:
+            hit = await asyncio.to_thread(self.files_audit.check_read, sb.id, path)
         if hit is not None:
             self.emit(AuditEvent(**self.base(sb.id), kind="file", op="read", path=_norm_path(path), denied=True,
                                  detail={"protected": "1", "via": "files.read", "protected_path": hit}))
             raise Forbidden(f"{path} is protected in sandbox {sb.id}")
-        canary = self.files_audit.canary_of(sb.id, path)
+        canary = self.files_audit.canary_of(sb.id, path) if self.files_audit is not None and sb.rootfs is not None else None
         if canary is not None:
             self.emit(AuditEvent(**self.base(sb.id), kind="canary", op="read", path=canary,
                                  detail={"canary": "1", "via": "files.read"}))
@@ -308,6 +322,20 @@ class AuditWiring:
         detail = {"protected": "1"} if kind == "file" else {"canary": "1"}
         self.emit(AuditEvent(**self.base(sid), kind=kind, op="open", path=path, pid=pid,  # type: ignore[arg-type]
                              comm=comm_of(pid), denied=denied, detail=detail))
+
+    def _on_guarded_open(self, sid: str, o: GuardedOpen) -> None:
+        """A guest guard's report: as the node's fanotify group reports a container's opens
+        (`_on_file_event`), or, for the node's own files.read there, as `check_file_read` does."""
+        kind = "file" if o.kind == "p" else "canary"
+        detail = {"protected": "1"} if o.kind == "p" else {"canary": "1"}
+        if o.who == "read":
+            if o.kind == "p":
+                detail["protected_path"] = o.path
+            self.emit(AuditEvent(**self.base(sid), kind=kind, op="read", path=o.path, denied=o.denied,  # type: ignore[arg-type]
+                                 detail={**detail, "via": "files.read"}))
+            return
+        self.emit(AuditEvent(**self.base(sid), kind=kind, op="open", path=o.path, pid=o.pid,  # type: ignore[arg-type]
+                             comm=o.comm, denied=o.denied, detail=detail))
 
     def _on_permission_overflow(self, sids: list[str]) -> None:
         """The protected-path group's queue overflowed: whose events were lost is unknown, so every

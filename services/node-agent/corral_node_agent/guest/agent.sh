@@ -17,6 +17,11 @@
 #   U id                              the writable layer, with the sandbox's processes frozen:
 #                                     -> C id t -b64 lines (a tar of it), C id o -b64 lines (the
 #                                     opaque directories, NUL-separated), then T id rc
+#   G id -list                        guard the sandbox's protected paths and canaries (LIST:
+#                                     NUL-terminated "p/path", "c/path"; init/corral-guest.c) ->
+#                                     F id rc 0 -error once every mark is set (a guard running
+#                                     already is replaced then); its reports: E 0 p|c pid denied
+#                                     who -comm -path, each on the channel before its open returns
 #   P id                              -> P id (the host's "are you there")
 # Answers go out whole, one at a time, through one writer; requests are served concurrently.
 # Every exec runs in a cgroup of its own under the sandbox's (which holds pids_max), every session
@@ -174,9 +179,12 @@ sess() {
     fi
     answer "$1" "$rc" "$t" "$d" "$4" "$st"
 }
+# files.read in a cgroup of its own: the guard reports what it opens that is guarded
+inread() { sh -c 'echo $$ > /sys/fs/cgroup/read/cgroup.procs || exit 125; exec "$@"' corral-read \
+    /bin/corral-guest enter --files /run/corral-holder.pid -- /.corral/busybox "$@"; }
 readf() { # in one pass in the sandbox's view: its kind, then its mode and bytes
     p=$(echo "${3#-}" | base64 -d)
-    inroot sh -c '[ -e "$1" ] || exit 11; [ -d "$1" ] && exit 12; [ -f "$1" ] || exit 14; stat -L -c %a -- "$1" && exec head -c "$2" -- "$1"' \
+    inread sh -c '[ -e "$1" ] || exit 11; [ -d "$1" ] && exit 12; [ -f "$1" ] || exit 14; stat -L -c %a -- "$1" && exec head -c "$2" -- "$1"' \
         corral-read "$p" "$2" > "$R/r$1" 2>/dev/null
     case $? in
         0) m=$(head -n 1 "$R/r$1")
@@ -209,6 +217,24 @@ writef() {
     rm -f "$R/w$1" "$R/e$1"
     send "$R/a$1"
 }
+# fanotify fails open: a guard that ends (but by being replaced) powers the guest off, so nothing
+# of the sandbox runs unguarded
+guard() {
+    g=$R/g$1
+    field "$2" "$g.list"
+    ( /bin/corral-guest guard /run/corral-holder.pid $R "$g.ready" < "$g.list" 2> "$g.err" &
+      echo $! > "$g.pid"; wait $!
+      if [ -e "$g.ready" ] && [ ! -e "$g.replaced" ]; then echo "corral-agent: the guard of protected paths ended"; poweroff -f; fi ) &
+    while [ ! -e "$g.ready" ] && kill -0 $! 2>/dev/null; do sleep 0.01; done
+    if [ -e "$g.ready" ]; then
+        if [ -e $R/guard ]; then old=$(cat $R/guard); : > "$R/g$old.replaced"; kill "$(cat "$R/g$old.pid")"; fi
+        echo "$1" > $R/guard
+        printf 'F %s 0 0 -\n' "$1" > "$R/a$1"
+    else
+        printf 'F %s 3 0 -%s\n' "$1" "$(head -c 2000 "$g.err" | base64 -w0)" > "$R/a$1"
+    fi
+    send "$R/a$1"
+}
 frozen() { # 1|0: the sandbox's processes (every exec's and session's cgroup is under $CG) frozen or thawed
     echo "$1" > "$CG/cgroup.freeze"
     until [ "$(sed -n 's/^frozen //p' "$CG/cgroup.events")" = "$1" ]; do sleep 0.01; done
@@ -237,6 +263,7 @@ while read -r op id a b c d e f g h i <&3; do
         K) [ -e "$R/x$id/p" ] && ( killall_ "$(cat "$R/x$id/p")" "$(cat "$R/x$id/cg")" ) ;;
         R) readf "$id" "$a" "$b" & ;;
         W) d=$(take "$id" "$d"); writef "$id" "$a" "$b" "$c" "$d" & ;;
+        G) a=$(take "$id" "$a"); guard "$id" "$a" & ;;
         P) echo "P $id" > "$R/a$id"; send "$R/a$id" ;;
         U) upper "$id" & ;;
     esac

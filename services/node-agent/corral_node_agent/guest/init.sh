@@ -59,6 +59,7 @@ mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
 echo +pids > /sys/fs/cgroup/cgroup.subtree_control
 mkdir /sys/fs/cgroup/sandbox
 echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
+mkdir /sys/fs/cgroup/read  # the agent's files.read (the guard reports its opens: agent.sh)
 mkdir -p /mnt/root/.corral/io
 chown 64222:64222 /mnt/root/.corral/io && chmod 0711 /mnt/root/.corral/io || fail "no io dir"
 # the sandbox's PID and mount namespaces (its own /proc), which every command enters (corral-guest)

@@ -162,7 +162,7 @@ class Create:
         try:
             for cpath, content in sb.spec.canaries.items():
                 await sub.write_file(sb, cpath, content.encode(), 0o644, True)
-            await self.audit.watch_files(sb)
+            await self.audit.watch_files(sb, sub)
         except BaseException as e:
             await self.audit.unmark(sb.id)
             await asyncio.shield(sub.destroy(sb))

@@ -168,6 +168,7 @@ class SandboxOps:
 
     async def _audit(self, msg: Msg, sb: Sandbox, sub: Substrate) -> AuditState:
         bus.decode(msg.data, _Empty)
+        await sub.audit_barrier(sb)
         return await self.audit.state(sb.id)
 
     async def _renew(self, msg: Msg, sb: Sandbox, sub: Substrate) -> SandboxReply:

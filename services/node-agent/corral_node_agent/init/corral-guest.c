@@ -24,6 +24,19 @@
  *                                     operations), and exits with its status
  *                                     (128+signal if it was killed). 125 on a set-up failure, with
  *                                     the reason on stderr.
+ *   corral-guest guard PIDFILE QDIR READY < LIST
+ *                                     enforces the sandbox's protected paths and canaries (LIST:
+ *                                     NUL-terminated "p/path" and "c/path") with fanotify
+ *                                     permission events in the guest's kernel, as the node does for
+ *                                     a container (audit/fanotify.py): an open of a protected
+ *                                     file or directory by a sandbox process is denied (EPERM), a
+ *                                     canary's allowed, and each is reported to the host as an
+ *                                     "E" line handed to the agent's writer (QDIR/q) before the
+ *                                     answer, so it is on the channel before anything the opener
+ *                                     does next. Creates READY once every mark is set, then serves
+ *                                     until killed. Opens by the agent itself (its cgroup is not
+ *                                     under /sandbox) are not reported, but for files.read's (the
+ *                                     cgroup /read), and are denied protected files all the same.
  *   corral-guest opaque DIR           prints, NUL-terminated and relative to DIR, the directories
  *                                     under DIR marked opaque (xattr trusted.overlay.opaque = y):
  *                                     what a tar of an overlay's upper directory does not carry.
@@ -45,6 +58,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <ftw.h>
+#include <dirent.h>
+#include <linux/openat2.h>
+#include <sys/fanotify.h>
 #include <sys/mount.h>
 #include <sys/xattr.h>
 #include <sys/prctl.h>
@@ -257,6 +273,229 @@ static int enter(int mode, const char *pidfile, char **argv) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+/* ---------------------------------------------------------------- guard */
+
+#define GUARD_FILE_MASK (FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM)
+#define GUARD_DIR_MASK (FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM | FAN_EVENT_ON_CHILD | FAN_ONDIR)
+#define GUARD_MAX_TREE 10000 /* directories marked under one protected directory (as on the node) */
+
+struct guarded {
+    dev_t dev;
+    ino_t ino;
+    char kind; /* 'p' protected, 'c' canary */
+    char dir;
+    char *path;
+};
+static struct guarded *guarded;
+static size_t n_guarded, cap_guarded;
+static char **tops; /* the protected paths: a file made under one after marking is protected too */
+static size_t n_tops;
+static int guard_root = -1, guard_fan = -1, guard_q = -1;
+static const char *guard_qdir;
+static unsigned long guard_seq;
+
+static void guarded_add(const struct stat *st, char kind, const char *path) {
+    if (n_guarded == cap_guarded) {
+        cap_guarded = cap_guarded ? 2 * cap_guarded : 256;
+        guarded = realloc(guarded, cap_guarded * sizeof *guarded);
+        if (!guarded) _exit(die("memory"));
+    }
+    guarded[n_guarded++] = (struct guarded){st->st_dev, st->st_ino, kind, S_ISDIR(st->st_mode), strdup(path)};
+}
+
+static const struct guarded *guarded_find(dev_t dev, ino_t ino) {
+    const struct guarded *hit = NULL;
+    for (size_t i = 0; i < n_guarded; i++) /* a canary that is also protected counts as protected */
+        if (guarded[i].dev == dev && guarded[i].ino == ino && (!hit || guarded[i].kind == 'p')) hit = &guarded[i];
+    return hit;
+}
+
+/* `path` inside the sandbox's root, resolved there (a symlink cannot lead a mark out of it) */
+static const char *guard_step = ""; /* what failed, for the error */
+
+static int open_in_root(const char *path, int flags) {
+    guard_step = "resolving it in the sandbox's root";
+    struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC),
+                           .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV};
+    return (int)syscall(SYS_openat2, guard_root, path, &how, sizeof how);
+}
+
+static int mark(const char *path, unsigned long long mask) {
+    int fd = open_in_root(path, O_PATH);
+    if (fd < 0) return -1;
+    guard_step = "marking it";
+    /* through the descriptor's link: the guest's kernel (6.1) takes no O_PATH descriptor for dirfd */
+    char via[64];
+    snprintf(via, sizeof via, "/proc/self/fd/%d", fd);
+    int r = fanotify_mark(guard_fan, FAN_MARK_ADD, mask, AT_FDCWD, via);
+    close(fd);
+    return r;
+}
+
+/* the object at `path` and, for a directory, every directory below it: all listed before
+   anything is marked (our own opens of a marked directory would wait for our own answer) */
+static int guard_path(char kind, const char *path) {
+    int fd = open_in_root(path, O_PATH);
+    if (fd < 0) return errno == ENOENT ? 0 : -1; /* not in the image: nothing to mark */
+    struct stat st;
+    if (fstat(fd, &st) != 0) return close(fd), -1;
+    close(fd);
+    guarded_add(&st, kind, path);
+    if (!S_ISDIR(st.st_mode)) return mark(path, GUARD_FILE_MASK);
+    size_t first = n_guarded - 1, dirs = 1;
+    for (size_t i = first; i < n_guarded; i++) {
+        if (!guarded[i].dir) continue;
+        const char *dpath = guarded[i].path;
+        int dfd = open_in_root(dpath, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+        if (dfd < 0) continue; /* gone meanwhile */
+        DIR *d = fdopendir(dfd);
+        if (!d) { close(dfd); continue; }
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+            struct stat cst;
+            if (fstatat(dirfd(d), e->d_name, &cst, AT_SYMLINK_NOFOLLOW) != 0) continue;
+            if (S_ISDIR(cst.st_mode) && dirs++ >= GUARD_MAX_TREE) continue;
+            char child[4096];
+            if (snprintf(child, sizeof child, "%s/%s", strcmp(dpath, "/") ? dpath : "", e->d_name) >= (int)sizeof child) continue;
+            guarded_add(&cst, kind, child);
+        }
+        closedir(d);
+    }
+    for (size_t i = first; i < n_guarded; i++)
+        if (guarded[i].dir && mark(guarded[i].path, GUARD_DIR_MASK) != 0 && errno != ENOENT) return -1;
+    return 0;
+}
+
+static void b64(const unsigned char *in, size_t n, char *out) {
+    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    size_t o = 0;
+    for (size_t i = 0; i < n; i += 3) {
+        unsigned v = in[i] << 16 | (i + 1 < n ? in[i + 1] << 8 : 0) | (i + 2 < n ? in[i + 2] : 0);
+        out[o++] = a[v >> 18 & 63], out[o++] = a[v >> 12 & 63];
+        out[o++] = i + 1 < n ? a[v >> 6 & 63] : '=';
+        out[o++] = i + 2 < n ? a[v & 63] : '=';
+    }
+    out[o] = 0;
+}
+
+/* one "E 0 kind pid denied who -comm -path" line, through the agent's writer like its answers */
+static void report(char kind, int pid, int denied, const char *who, const char *path) {
+    char comm[64] = "", p[64], c64[96], p64[5500], name[4200], line[6000];
+    snprintf(p, sizeof p, "/proc/%d/comm", pid);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, comm, sizeof comm - 1);
+        close(fd);
+        comm[n > 0 ? n : 0] = 0;
+        comm[strcspn(comm, "\n")] = 0;
+    }
+    b64((const unsigned char *)comm, strlen(comm), c64);
+    b64((const unsigned char *)path, strnlen(path, 4000), p64);
+    int len = snprintf(line, sizeof line, "E 0 %c %d %d %s -%s -%s\n", kind, pid, denied, who, c64, p64);
+    snprintf(name, sizeof name, "%s/g%lu.out", guard_qdir, guard_seq++);
+    fd = open(name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    int ok = write(fd, line, (size_t)len) == len;
+    close(fd);
+    if (ok) dprintf(guard_q, "%s\n", name);
+}
+
+/* whose open: "x<id>"/"s<name>" (an exec's or a session's cgroup under /sandbox), "read"
+   (files.read), "" (the agent's own), "?" (gone already: taken for the sandbox's) */
+static void opener(int pid, char *who, size_t size) {
+    char p[64], buf[512];
+    snprintf(p, sizeof p, "/proc/%d/cgroup", pid);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+    if (fd >= 0) close(fd);
+    if (n <= 0) { snprintf(who, size, "?"); return; }
+    buf[n] = 0;
+    buf[strcspn(buf, "\n")] = 0;
+    const char *cg = strncmp(buf, "0::", 3) == 0 ? buf + 3 : "";
+    if (strncmp(cg, "/sandbox/", 9) == 0 && cg[9]) snprintf(who, size, "%.*s", (int)strcspn(cg + 9, "/ "), cg + 9);
+    else if (strcmp(cg, "/sandbox") == 0) snprintf(who, size, "?");
+    else if (strcmp(cg, "/read") == 0) snprintf(who, size, "read");
+    else who[0] = 0;
+}
+
+static int under(const char *path, const char *top) {
+    size_t n = strlen(top);
+    if (strcmp(top, "/") == 0) return 1;
+    return strncmp(path, top, n) == 0 && (path[n] == 0 || path[n] == '/');
+}
+
+static void answer(const struct fanotify_event_metadata *m) {
+    struct stat st = {0};
+    const struct guarded *g = fstat(m->fd, &st) == 0 ? guarded_find(st.st_dev, st.st_ino) : NULL;
+    char kind = g ? g->kind : 0, path[4096] = "", who[128];
+    if (g) snprintf(path, sizeof path, "%s", g->path);
+    if (!g) { /* made under a protected directory after the marks: by its path in the sandbox */
+        char p[64];
+        snprintf(p, sizeof p, "/proc/self/fd/%d", m->fd);
+        ssize_t n = readlink(p, path, sizeof path - 1);
+        path[n > 0 ? n : 0] = 0;
+        for (size_t i = 0; n > 0 && i < n_tops; i++)
+            if (under(path, tops[i])) kind = 'p';
+    }
+    int allow = 1;
+    if (kind) {
+        opener(m->pid, who, sizeof who);
+        int dir = S_ISDIR(st.st_mode);
+        allow = kind == 'c' || (who[0] == 0 && dir); /* the agent lists a protected tree (a guard after a resume) */
+        if (who[0] && (kind == 'p' || !dir)) report(kind, m->pid, !allow, who, path);
+    }
+    struct fanotify_response r = {.fd = m->fd, .response = allow ? FAN_ALLOW : FAN_DENY};
+    if (write(guard_fan, &r, sizeof r) != sizeof r) { /* the opener is gone: nothing waits */ }
+}
+
+static int guard(const char *pidfile, const char *qdir, const char *ready) {
+    FILE *f = fopen(pidfile, "r");
+    int holder = 0;
+    if (!f || fscanf(f, "%d", &holder) != 1 || holder <= 1) return die("the sandbox's namespace holder");
+    fclose(f);
+    char p[4200];
+    snprintf(p, sizeof p, "/proc/%d/root", holder);
+    if ((guard_root = open(p, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0) return die(p);
+    guard_qdir = qdir;
+    snprintf(p, sizeof p, "%s/q", qdir);
+    if ((guard_q = open(p, O_WRONLY | O_CLOEXEC)) < 0) return die(p);
+    int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC); /* the sandbox filling the guest's memory must not end it */
+    if (adj >= 0) { if (write(adj, "-1000", 5) != 5) { } close(adj); }
+    if ((guard_fan = fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, O_RDONLY | O_LARGEFILE | O_CLOEXEC)) < 0) return die("fanotify_init");
+    static char list[1 << 20];
+    size_t n = fread(list, 1, sizeof list - 1, stdin);
+    list[n] = 0;
+    for (size_t i = 0; i < n; i += strlen(list + i) + 1) {
+        char kind = list[i], *path = list + i + 1;
+        if ((kind != 'p' && kind != 'c') || path[0] != '/') { errno = EINVAL; return die("a guard entry"); }
+        if (kind == 'p') {
+            tops = realloc(tops, (n_tops + 1) * sizeof *tops);
+            tops[n_tops++] = path;
+        }
+        if (guard_path(kind, path) != 0) {
+            dprintf(2, "corral-guest: guarding %s (%s): %s\n", path, guard_step, strerror(errno));
+            return 125;
+        }
+    }
+    int fd = open(ready, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return die(ready);
+    close(fd);
+    static char buf[64 * 1024] __attribute__((aligned(8)));
+    for (;;) {
+        ssize_t len = read(guard_fan, buf, sizeof buf);
+        if (len < 0) {
+            if (errno == EINTR || errno == EAGAIN) continue;
+            return die("reading fanotify events");
+        }
+        for (struct fanotify_event_metadata *m = (void *)buf; FAN_EVENT_OK(m, len); m = FAN_EVENT_NEXT(m, len)) {
+            if (m->fd < 0) continue; /* a queue overflow: permission events are never dropped */
+            if (m->mask & (FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM)) answer(m);
+            close(m->fd);
+        }
+    }
+}
+
 static size_t opaque_base;
 
 static int opaque_one(const char *path, const struct stat *st, int type, struct FTW *ftw) {
@@ -273,11 +512,12 @@ int main(int argc, char **argv) {
         return nftw(argv[2], opaque_one, 64, FTW_PHYS) == 0 && fflush(stdout) == 0 ? 0 : die(argv[2]);
     }
     if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], argv[3]);
+    if (argc == 5 && strcmp(argv[1], "guard") == 0) return guard(argv[2], argv[3], argv[4]);
     if (argc >= 5 && strcmp(argv[1], "enter") == 0) {
         int mode = strcmp(argv[2], "--harness") == 0 ? 1 : strcmp(argv[2], "--files") == 0 ? 2 : 0;
         int at = 2 + (mode != 0);
         if (argc >= at + 3 && strcmp(argv[at + 1], "--") == 0) return enter(mode, argv[at], argv + at + 2);
     }
-    dprintf(2, "corral-guest: usage: corral-guest hold PIDFILE ROOT | corral-guest enter [--harness|--files] PIDFILE -- CMD...\n");
+    dprintf(2, "corral-guest: usage: corral-guest hold PIDFILE ROOT | corral-guest guard PIDFILE QDIR READY | corral-guest enter [--harness|--files] PIDFILE -- CMD...\n");
     return 125;
 }

@@ -64,6 +64,19 @@ class Sandbox:
         return self.info.id
 
 
+class GuardedOpen(msgspec.Struct, frozen=True):
+    """An open of a guarded path that a substrate guarding its sandboxes' paths itself saw
+    (`Substrate.guard_paths`): `kind` "p" a protected path (`denied`), "c" a canary; `who` whose
+    open: an exec's or a session's name, "read" for the node's files.read, "?" for a process gone
+    before it could be told."""
+    kind: str
+    pid: int
+    denied: bool
+    who: str
+    comm: str
+    path: str
+
+
 class AdoptReport(msgspec.Struct, kw_only=True):
     adopted: list[str] = []
     cleaned: list[str] = []
@@ -79,6 +92,9 @@ class Substrate(abc.ABC):
     #: protected paths (masked by decoys, opens audited) and canaries (planted, reads audited)
     #: are enforced on its sandboxes; specs asking for them elsewhere are refused
     protects_paths: ClassVar[bool] = False
+    #: enforces them inside its sandboxes itself (a guest's own kernel: `guard_paths`), not
+    #: through the node's fanotify group on a root the host sees
+    guards_paths: ClassVar[bool] = False
     #: the listener's socket path; None keeps denied syscalls SCMP_ACT_ERRNO, unaudited
     seccomp_listener: str | None = None
     #: that listener's notify fds by sandbox id
@@ -130,6 +146,15 @@ class Substrate(abc.ABC):
 
     @abc.abstractmethod
     async def destroy(self, sb: Sandbox) -> None: ...
+
+    async def guard_paths(self, sb: Sandbox, on_open: Callable[[GuardedOpen], None]) -> None:
+        """Deny the sandbox's protected paths and watch its canaries (`guards_paths`), every open
+        reported to `on_open`; returns once they are guarded."""
+        raise InvalidRequest(f"substrate {self.name!r} does not guard paths itself")
+
+    async def audit_barrier(self, sb: Sandbox) -> None:
+        """Return once every event the sandbox's own audit sources (a guest's guard) sent before
+        now has been handed on: the `audit` op's consistent point."""
 
     def settle(self, sb: Sandbox) -> None:
         """Finish the bookkeeping a create left for after its reply (records, runtime state that

@@ -18,9 +18,10 @@ it. Sessions are shells the guest agent keeps (guest/agent.sh). Inside the guest
 commands run in namespaces of their own without a capability, harness commands as HARNESS_UID
 (init/corral-guest.c), out of reach of the agent, which is the guest's root. A memory snapshot
 saves the whole guest (microvm_qmp.py); a create of its image resumes it. `changes` and file
-snapshots read the writable layer through the agent (microvm_upper.py). Not yet (clear errors):
-forks, file audit, canaries and protected paths, adoption after a node-agent restart (its
-guests are cleaned up instead)."""
+snapshots read the writable layer through the agent (microvm_upper.py). Protected paths and
+canaries are guarded by fanotify in the guest's own kernel (corral-guest guard), reported over the
+channel. Not yet (clear errors): forks, file activity audit, adoption after a node-agent restart
+(its guests are cleaned up instead)."""
 from __future__ import annotations
 
 import asyncio
@@ -50,12 +51,13 @@ from .. import cgroups
 from ..layermounts import ImageFiles, LayerMounts
 from ..sessions import SHELLS
 from . import microvm_qmp, microvm_upper
-from .base import AdoptReport, ChunkCallback, Sandbox, Substrate, Usage
+from .base import AdoptReport, ChunkCallback, GuardedOpen, Sandbox, Substrate, Usage
 from .common import result_stderr
 from .container import WARM_PREFIX
 from .container_sandbox import DEFAULT_ENV
 from .microvm_channel import ExecDone, GuestChannel, SessionCall
 from .microvm_guest import GUEST_CACHE, Guest, ensure_guest
+from .microvm_scripts import exec_script, session_script
 
 log = logging.getLogger("corral.node.microvm")
 
@@ -90,37 +92,11 @@ class MicrovmSandbox(Sandbox):
         self.session_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)  # a session's calls take turns
 
 
-#: runs a command in the guest's sandbox: its PID and mount namespaces (held by the process whose
-#: pid init.sh wrote to HOLDER), the image's root, no capability, seccomp (init/corral-guest.c)
-HOLDER = "/run/corral-holder.pid"
-
-
-def _enter(harness: bool) -> list[str]:
-    return ["/bin/corral-guest", "enter", *(["--harness"] if harness else []), HOLDER, "--"]
-
-
-def session_script(shell: str, env: dict[str, str], cwd: str, harness: bool = False) -> str:
-    """The guest-side script that becomes a session's shell (the agent has put it in a cgroup of
-    its own): a clean environment, the sandbox's side of the guest, its workdir, then `shell`
-    reading commands from the agent."""
-    return "exec " + shlex.join(["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *_enter(harness), shell, "-c",
-                                 'cd -- "$1" 2>/dev/null; exec "$0"', shell, cwd]) + "\n"
-
-
-def exec_script(argv: list[str], env: dict[str, str], cwd: str, harness: bool = False) -> str:
-    """The guest-side script of one exec (the agent has put it in a cgroup of its own, under the
-    sandbox's, which holds pids_max): a clean environment, the sandbox's side of the guest, its
-    cwd, then the command; a missing cwd or command gets the container substrate's message and code."""
-    inner = ('cd -- "$1" 2>/dev/null || { printf "corral: cannot change directory to %s: No such file or directory\\n" "$1" >&2; '
-             'exit 126; }; shift; command -v -- "$1" >/dev/null 2>&1 || '
-             '{ printf "corral: cannot run %s: No such file or directory\\n" "$1" >&2; exit 127; }; exec "$@"')
-    return "exec " + shlex.join(["/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *_enter(harness),
-                                 "/.corral/busybox", "sh", "-c", inner, "corral-exec", cwd, *argv]) + "\n"
-
-
 class MicrovmSubstrate(Substrate):
     name = "microvm"
     snapshots_memory = True
+    protects_paths = True
+    guards_paths = True
     #: QEMU's machine: microvm has no PCI bus, no firmware and no ACPI tables to walk at boot
     machine = "microvm,x-option-roms=off,rtc=off"
     #: the transport of the virtio devices on that machine (virtio-blk-device, virtio-blk-pci)
@@ -516,6 +492,21 @@ class MicrovmSubstrate(Substrate):
             if "No space left" in text:
                 raise InvalidRequest(f"no space left in the sandbox for {path} (disk_mb={sb.spec.disk_mb})")
             raise InvalidRequest(f"cannot write {path} in the sandbox: {text or 'failed'}")
+
+    async def guard_paths(self, sb: Sandbox, on_open: Callable[[GuardedOpen], None]) -> None:
+        assert isinstance(sb, MicrovmSandbox)
+        sb.chan.on_guard = on_open
+        a = await sb.chan.guard(list(sb.spec.protected_paths), list(sb.spec.canaries))
+        if a.rc != 0:
+            raise InvalidRequest(f"the guest could not guard the protected paths and canaries: "
+                                 f"{a.data.decode(errors='replace').strip() or 'failed'}")
+
+    async def audit_barrier(self, sb: Sandbox) -> None:
+        """The guard hands its reports to the agent's one writer before it answers the open, so
+        an answer to a request sent now comes after every report of an open done before."""
+        assert isinstance(sb, MicrovmSandbox)
+        if (sb.spec.protected_paths or sb.spec.canaries) and not sb.paused:  # (paused: nothing runs to open)
+            await asyncio.wait_for(sb.chan.call("P"), 30)
 
     # ------------------------------------------------------------------ its writable layer, on the host
 

@@ -17,6 +17,8 @@ import msgspec
 
 from corral_common.contract.errors import Internal, Unavailable
 
+from .base import GuardedOpen
+
 log = logging.getLogger("corral.node.microvm")
 
 HOST_GRACE_S = 5.0
@@ -68,6 +70,7 @@ class GuestChannel:
         self.waiting: dict[str, asyncio.Future[list[str]]] = {}
         self.streams: dict[str, Callable[[str, bytes], None]] = {}  # exec id -> its output chunks, as they come
         self.blobs: dict[str, Callable[[str, bytes], None]] = {}  # request id -> the chunks of its answer (C lines)
+        self.on_guard: Callable[[GuardedOpen], None] | None = None  # the guard's reports (E lines)
         self.writer: asyncio.StreamWriter | None = None
         self.reader_task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
@@ -109,6 +112,9 @@ class GuestChannel:
                     if on_chunk is not None and len(parts) == 4:
                         on_chunk(STREAMS.get(parts[2], parts[2]), unb64(parts[3]))
                     continue
+                if parts[0] == "E":
+                    self._guarded(parts)
+                    continue
                 fut = self.waiting.pop(parts[1], None)
                 if fut is not None and not fut.done():
                     fut.set_result(parts)
@@ -120,6 +126,20 @@ class GuestChannel:
                 if not fut.done():
                     fut.set_exception(Internal("the microvm's guest agent went away"))
             self.waiting.clear()
+
+    def _guarded(self, parts: list[str]) -> None:
+        if self.on_guard is None or len(parts) != 8 or parts[2] not in ("p", "c"):
+            return
+        try:
+            report = GuardedOpen(kind=parts[2], pid=int(parts[3]), denied=parts[4] == "1", who=parts[5],
+                                 comm=unb64(parts[6]).decode(errors="replace"), path=unb64(parts[7]).decode(errors="replace"))
+        except ValueError:
+            log.warning("a malformed guard report from the guest", extra={"fields": {"sock": self.sock}})
+            return
+        try:
+            self.on_guard(report)
+        except Exception:
+            log.exception("a guard report's callback failed")
 
     async def send(self, op: str, rid: str, *fields: str, payload: bytes = b"") -> None:
         """One request line, then `payload`: the bytes of its raw field (RAW), which the agent
@@ -208,6 +228,12 @@ class GuestChannel:
 
     async def write_file(self, path: str, data: bytes, mode: int, make_parents: bool) -> FileAnswer:
         a = await self.call("W", format(mode & 0o7777, "o"), "1" if make_parents else "0", b64(path.encode()), raw(data), payload=data)
+        return FileAnswer(rc=int(a[0]), mode=0, data=unb64(a[2]))
+
+    async def guard(self, protected: list[str], canaries: list[str]) -> FileAnswer:
+        """Have the guest guard these paths (corral-guest guard); answered once every mark is set."""
+        payload = b"".join(b"p" + p.encode() + b"\0" for p in protected) + b"".join(b"c" + c.encode() + b"\0" for c in canaries)
+        a = await self.call("G", raw(payload), payload=payload)
         return FileAnswer(rc=int(a[0]), mode=0, data=unb64(a[2]))
 
     async def close(self) -> None:
