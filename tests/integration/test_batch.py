@@ -14,12 +14,14 @@ import sys
 import time
 import uuid
 
+import msgspec
 import nats
 import pytest
 
 from corral_common.bus import kv_keys
 from corral_common.contract import subjects
 from corral_scheduler.batch import item_id
+from corral_scheduler.batch_records import WAIT_MAX_S
 from corral_sdk import AsyncClient
 
 from ..conftest import make_stack
@@ -220,11 +222,12 @@ async def test_same_request_id_with_another_spec_is_a_conflict(bus):
     assert len((await pending)["sandboxes"]) == 3
 
 
-async def test_a_repeat_while_the_batch_is_placed_waits_for_it(bus):
+async def test_a_repeat_while_the_batch_is_placed_waits_for_it(bus, sched):
     """The SDK hedges a slow batch (asks again with its request_id) and callers retry after a
     timeout: a repeat that comes while an attempt is still placing the batch waits for that
     attempt (it renews a lease on the batch's record) and answers what it made, instead of
-    placing the same items beside it and taking half-made ones for made."""
+    placing the same items beside it and taking half-made ones for made; past WAIT_MAX_S it is
+    answered `unavailable` with a retry hint (the SDK asks again)."""
     nc, node = bus
     n = await node("repeat", cpu=64.0, memory_mb=1_000_000, sandboxes=5000)
     await heard(nc)
@@ -240,13 +243,25 @@ async def test_a_repeat_while_the_batch_is_placed_waits_for_it(bus):
             await asyncio.sleep(0.05)
         assert n.held == 1
         repeats = [asyncio.ensure_future(call(nc, subjects.SANDBOX_CREATE_BATCH, body)) for _ in range(2)]
+        # and through the SDK, which asks again after an `unavailable` with a hint while its timeout lasts
+        c = await AsyncClient.connect(sched.url)
+        settled = asyncio.ensure_future(c.create_batch_reply(6, cpu=0.1, memory_mb=16, job=rid, request_id=rid, timeout=90))
         await asyncio.sleep(8)  # longer than a lease lasts unrenewed: the placing attempt keeps renewing it
         assert not any(r.done() for r in repeats) and n.held == 1, "a repeat placed the batch beside its first attempt"
-        n.hold.set()
-        answers = [await first, *[await r for r in repeats]]
+        # past WAIT_MAX_S a repeat is told the batch is still being placed (not left to its
+        # caller's timeout), and nothing is placed beside the first attempt
+        for r in repeats:
+            a = await asyncio.wait_for(r, WAIT_MAX_S + 5)
+            assert a["ok"] is False and a["error"]["code"] == "unavailable" and a["error"]["retry_after_s"] > 0, a
+            assert "still being placed by another attempt" in a["error"]["message"], a
+        assert n.held == 1 and not first.done() and not settled.done()
+        n.hold.set()  # (before the node's timeout, 30 s, would end the first attempt)
+        answers = [await first, msgspec.to_builtins(await settled)]
+        await c.close()
     finally:
         n.hold.set()
         await asyncio.gather(first, *repeats, return_exceptions=True)
+    assert answers[0]["ok"], answers[0]
     ids = sorted(s["id"] for s in answers[0]["sandboxes"])
     assert ids == sorted(item_id(rid, i) for i in range(6))
     for a in answers[1:]:

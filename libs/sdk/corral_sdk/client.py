@@ -183,9 +183,22 @@ class AsyncClient:
         await self.close()
 
     async def request(self, subject: str, body: msgspec.Struct | bytes, typ: type[R], timeout: float, sandbox_id: str | None = None,
-                      resend: bool = False) -> R:
+                      resend: bool = False, settle: bool = False) -> R:
         """One request; its success reply decoded as `typ`, an error reply raised as its CorralError.
-        `resend`: the request is safe to repeat (see _ask)."""
+        `resend`: the request is safe to repeat (see _ask). `settle` (with `resend`): an
+        `unavailable` answer with a retry hint (another attempt of the same request_id is still
+        at work) is asked again after the hint while `timeout` lasts, its answer the last one's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self._request_once(subject, body, typ, max(0.001, deadline - time.monotonic()), sandbox_id, resend)
+            except Unavailable as e:
+                if not (settle and resend) or not e.retry_after_s or time.monotonic() + e.retry_after_s >= deadline:
+                    raise
+                await asyncio.sleep(e.retry_after_s)
+
+    async def _request_once(self, subject: str, body: msgspec.Struct | bytes, typ: type[R], timeout: float, sandbox_id: str | None,
+                            resend: bool) -> R:
         payload = body if isinstance(body, bytes) else encoder.encode(body)
         pause = 0.05
         grace = time.monotonic() + (FAILOVER_GRACE_S if self._clustered() else 0.0)
@@ -270,7 +283,8 @@ class AsyncClient:
         spec = SandboxSpec(image=image, substrate=substrate, **kw)  # type: ignore[arg-type]
         if progress is None:
             req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id)
-            return await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout, resend=bool(spec.request_id))
+            return await self.request(subjects.SANDBOX_CREATE_BATCH, req, CreateBatchReply, timeout, resend=bool(spec.request_id),
+                                      settle=True)
         # the events come on the request's own reply route (stream_progress), not from
         # corral.events, which a tenant may not subscribe to
         req = CreateBatchRequest(spec=spec, count=count, batch_id=batch_id, stream_progress=True)

@@ -23,7 +23,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from corral_common import bus, logs
-from corral_common.contract.errors import Conflict
+from corral_common.contract.errors import Conflict, Unavailable
 from corral_common.contract.messages import SandboxSpec
 
 log = logging.getLogger("corral.scheduler")
@@ -31,7 +31,7 @@ log = logging.getLogger("corral.scheduler")
 LEASE_RENEW_S = 1.0
 LEASE_STALE_S = 6.0  # a lease not renewed for this long: its attempt is gone
 POLL_S = 0.2  # how often a repeat looks at the record of the attempt it waits for
-WAIT_LOG_S = 10.0  # a repeat that waits this long for another attempt says so, and again every as long
+WAIT_MAX_S = 20.0  # a repeat waits this long for another attempt, then answers `unavailable` (ask again)
 
 
 class BatchRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -81,14 +81,22 @@ class Records:
 
     async def settled(self, key: str, rid: str, record: BatchRecord | None, count: int, digest: str,
                       spec: SandboxSpec) -> BatchRecord | None:
-        """The record of a finished attempt, waiting for one that is still placing; None when
-        there is none, or its attempt is gone (this one takes over)."""
-        t0, told = time.time(), 0.0
+        """The record of a finished attempt, waiting up to WAIT_MAX_S for one that is still
+        placing; None when there is none, or its attempt is gone (this one takes over).
+
+        An attempt can outlast any caller's patience (nodes slow to make their shares, a round's
+        timeout per node, three rounds): a repeat that waited on silently was answered after its
+        caller had gone, and so was the next (a clean clone saw five repeats of 120 s each go
+        unanswered after a host died). `unavailable` with a retry hint says what is going on; the
+        SDK asks again while its timeout lasts (`settle`)."""
+        t0 = time.time()
         while record is not None and record.placing(time.time()):
-            if time.time() - t0 - told >= WAIT_LOG_S:  # (a clean clone saw repeats wait out 120 s each: say who is waited for)
-                told = time.time() - t0
-                logs.kv(log, logging.WARNING, "batch repeat still waiting for another attempt", request_id=rid,
-                        waited_s=round(told, 1), lease_age_s=round(time.time() - record.alive_at, 1))
+            if time.time() - t0 >= WAIT_MAX_S:
+                logs.kv(log, logging.INFO, "batch repeat answered while another attempt places it", request_id=rid,
+                        lease_age_s=round(time.time() - record.alive_at, 1))
+                raise Unavailable(f"the batch of request_id {rid!r} is still being placed by another attempt "
+                                  f"(for {time.time() - t0:.0f}s now); ask again: once it ends, a repeat is answered "
+                                  f"from its record", retry_after_s=2.0)
             await asyncio.sleep(POLL_S)
             record = await self.get(key)
             if record is not None:
