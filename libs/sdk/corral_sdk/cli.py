@@ -425,7 +425,8 @@ def traj_rm(trajectory_ids: list[str]) -> None:
 @app.command()
 def demo(
     count: int = typer.Option(40, help="rollouts (policies are dealt round-robin)"),
-    parallel: int = typer.Option(8, help="rollouts in flight at once"),
+    parallel: int = typer.Option(0, help="rollouts in flight at once (0: 8; on microvm or vm 2, where a guest without KVM "
+                                          "emulates every instruction)"),
     nodes: int = typer.Option(1),
     data_dir: str = typer.Option(None),
     nats_port: int = typer.Option(0, help="0: a free port"),

@@ -53,6 +53,7 @@ class DemoRow(TypedDict):
     expect_reward: float
     expect_rule: str
     sandbox: str
+    substrate: str
     create_s: float
     agent_s: float
     grade_s: float
@@ -94,6 +95,14 @@ async def run_demo(count: int, nodes: int, data_dir: str, nats_port: int, report
     if substrate not in OPTIONAL_SUBSTRATES and substrate != "container":
         console.print(f"[red]the demo's rollouts run on container, {', '.join(OPTIONAL_SUBSTRATES)}; not {substrate!r}[/red]")
         return 2
+    guest = substrate in ("microvm", "vm")
+    # 8 guests at once under TCG (this machine: no usable KVM) on 2 cores made the policies' execs
+    # outlast their 75 s; 2 at once graded all 10 of a run as they deserved (07:15, a6af908)
+    parallel = parallel or (2 if guest else 8)
+    if guest and web_rollouts:
+        console.print(f"[yellow]the web environment is left out on {substrate}: its browser is driven through a "
+                      "port forward, which a guest does not offer (it has no network)[/yellow]")
+        web_rollouts = 0
     stack = Stack(data_dir=data_dir, nodes=nodes, nats_port=nats_port or free_port(), image_dir=image_dir,
                   gvisor=substrate == "gvisor", docker=substrate == "docker", microvm=substrate == "microvm", vm=substrate == "vm")
     t = time.perf_counter()
@@ -148,7 +157,7 @@ def _row(r: RolloutResult, policy: Policy) -> DemoRow:
     # below that (a browser's own UDP probe, network_probe: medium) it is recorded, not held against it
     false_alarm = policy.kind != "cheat" and any(SEVERITY_RANK.get(a.severity, 0) >= SEVERITY_RANK[FAIL_ON] for a in r.alerts)
     return {"i": r.i, "policy": policy.name, "kind": policy.kind, "expect_reward": policy.expect_reward,
-            "expect_rule": policy.expect_rule, "sandbox": r.sandbox, "create_s": r.create_s, "agent_s": r.agent_s,
+            "expect_rule": policy.expect_rule, "sandbox": r.sandbox, "substrate": r.substrate, "create_s": r.create_s, "agent_s": r.agent_s,
             "grade_s": r.grade_s, "grader_s": r.grader_s, "total_s": r.total_s, "reward": r.reward, "passed": r.passed,
             "reason": r.reason or f"error: {r.error}", "alerts": alerts, "discarded": r.discarded,
             "tests": {short_test(t.id): t.outcome for t in r.tests},

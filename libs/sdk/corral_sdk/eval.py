@@ -53,6 +53,7 @@ class RolloutResult(msgspec.Struct, kw_only=True):
     i: int
     policy: str
     sandbox: str = ""
+    substrate: str = ""  # where it ran, as its node said
     reward: float | None = None
     passed: bool | None = None
     reason: str = ""
@@ -175,7 +176,7 @@ async def run_one(client: AsyncClient, env: EnvRecord, i: int, policy: NamedPoli
     try:
         on: dict[str, Any] = {"substrate": substrate} if substrate else {}
         sb = await client.envs.rollout_of(env, job=job, labels={**(labels or {}), "policy": policy.name, "rollout": str(i)}, **on)
-        row.sandbox, row.create_s = sb.id, time.perf_counter() - t0
+        row.sandbox, row.substrate, row.create_s = sb.id, sb.info.substrate, time.perf_counter() - t0
         stage = "policy"
         t1 = time.perf_counter()
         await policy.fn(sb, task_for(env, i))
