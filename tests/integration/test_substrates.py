@@ -788,11 +788,11 @@ async def test_execs_are_audited(env, substrate):
             assert ev["detail"]["substrate"] == "function" and ev["detail"]["one_shot"] == "1", ev
 
 
-# not on guests yet: their files are in the guest's kernel, where no watcher of the node's runs
-@pytest.mark.parametrize("substrate", [s for s in STAYING if s not in GUESTS])
+@pytest.mark.parametrize("substrate", STAYING)
 async def test_file_activity_is_audited(env, substrate):
     """fanotify on the sandbox's root superblock: container overlays in FID mode (creates, renames,
-    unlinks too), Docker's overlay2 merged dir in fd mode (opens, writes, execs)."""
+    unlinks too), Docker's overlay2 merged dir in fd mode (opens, writes, execs), and a guest's
+    root in the guest's own kernel (its guard, fd mode)."""
     async with target(env, substrate, job="audit-files") as t:
         tok = secrets.token_hex(4)
         await ok(t, f"echo hi > /tmp/f-{tok} && cat /etc/passwd >/dev/null && mkdir /tmp/d-{tok} && cp /bin/busybox /tmp/d-{tok}/true && /tmp/d-{tok}/true")

@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 
 from corral_common import logs, metrics
 from corral_common.contract.audit import AuditEvent, event_id
-from corral_common.contract.errors import Forbidden
+from corral_common.contract.errors import CorralError, Forbidden
 from corral_common.contract.messages import AuditState, SandboxInfo
 
 from .. import confine
@@ -68,6 +68,7 @@ class AuditWiring:
         self.egress_allows: Callable[[str, str, int], bool | None] | None = None
         self.inflight: dict[str, dict[object, str]] = {}  # sandbox -> commands being executed (file-event context)
         self.run_infos: dict[str, SandboxInfo] = {}  # one-shot runs whose command is running (job, labels of their events)
+        self.guarded: set[str] = set()  # guests whose guard runs (guard_paths)
 
     async def start(self, js: JetStreamContext) -> None:
         """The audit log, then the sources (before any sandbox exists, created or adopted).
@@ -174,6 +175,7 @@ class AuditWiring:
         if self.seccomp is not None:
             self.seccomp.unregister(sid)
         self.unwatch_activity(sid)
+        self.guarded.discard(sid)
         if self.enabled:
             self.limits.flush(sid)
         self.limits.forget(sid)
@@ -227,6 +229,13 @@ class AuditWiring:
 
     async def watch_activity(self, sb: Sandbox, sub: Substrate, inline: bool = False) -> None:
         """Start reporting the sandbox's file activity (its root filesystem's superblock)."""
+        if sub.guards_paths:  # the guest's guard reports it (started here unless its paths started it)
+            if self.enabled and sb.id not in self.guarded:
+                try:
+                    await self._guard(sb, sub)
+                except CorralError as e:
+                    logs.kv(log, logging.WARNING, "file activity of this sandbox is not audited", sandbox=sb.id, error=e.message)
+            return
         root = sub.audit_root(sb)
         if root is not None:
             await self._add_activity(sb.id, root, inline)
@@ -261,14 +270,20 @@ class AuditWiring:
         if not (sb.spec.protected_paths or sb.spec.canaries):
             return
         if sub.guards_paths:
-            sid = sb.id
-            await sub.guard_paths(sb, lambda o: self._on_guarded_open(sid, o))
+            await self._guard(sb, sub)
             return
         root = sb.rootfs
         if self.files_audit is None or root is None:
             return
         decoys = [(m.path, m.decoy) for m in sb.masks]
         await asyncio.to_thread(self.files_audit.add, sb.id, root, list(sb.spec.protected_paths), list(sb.spec.canaries), decoys)
+
+    async def _guard(self, sb: Sandbox, sub: Substrate) -> None:
+        """A guest's guard: its protected paths and canaries, and (auditing) its file activity."""
+        sid = sb.id
+        activity = (self.file_events_rate, self.file_events_burst) if self.enabled else None
+        await sub.guard_paths(sb, lambda o: self._on_guarded_open(sid, o), activity)
+        self.guarded.add(sid)
 
     async def check_file_read(self, sb: Sandbox, path: str) -> None:
         """files.read: a protected path (by name or through links) is Forbidden, a canary is reported.
@@ -324,8 +339,17 @@ class AuditWiring:
                              comm=comm_of(pid), denied=denied, detail=detail))
 
     def _on_guarded_open(self, sid: str, o: GuardedOpen) -> None:
-        """A guest guard's report: as the node's fanotify group reports a container's opens
-        (`_on_file_event`), or, for the node's own files.read there, as `check_file_read` does."""
+        """A guest guard's report: as the node's fanotify groups report a container's opens of
+        guarded paths (`_on_file_event`; for the node's own files.read there, as
+        `check_file_read` does) and its file activity (`_on_file_activity`)."""
+        if o.kind in ("open", "write", "exec"):
+            self._on_file_activity(sid, o.kind, o.path, o.pid, {}, comm=o.comm)
+            return
+        if o.kind in ("dropped", "overflow"):
+            n = int(o.path) if o.path.isdigit() else 0
+            reason = "rate_limit" if o.kind == "dropped" else "queue_overflow"
+            self._on_file_activity(sid, "dropped", "", 0, {"dropped": str(n), "reason": reason})
+            return
         kind = "file" if o.kind == "p" else "canary"
         detail = {"protected": "1"} if o.kind == "p" else {"canary": "1"}
         if o.who == "read":
@@ -343,7 +367,8 @@ class AuditWiring:
         for sid in sids:
             self.log.loss(sid, "fanotify queue overflow (protected paths)", 0)
 
-    def _on_file_activity(self, sid: str, op: str, path: str, pid: int, detail: dict[str, str]) -> None:
+    def _on_file_activity(self, sid: str, op: str, path: str, pid: int, detail: dict[str, str], comm: str | None = None) -> None:
+        """`comm` given: the process is a guest's (its pid is not the host's to look up)."""
         if op == "dropped":  # rate-limited or a kernel queue overflow: this sandbox's record has a hole
             reason = LOSS_REASONS.get(detail.get("reason", ""), f"file events dropped ({detail.get('reason', '')})")
             try:
@@ -351,11 +376,11 @@ class AuditWiring:
             except ValueError:
                 n = 0
             self.log.loss(sid, reason, n)
-        if op == "open" and "/.git/refs/heads/" in path:
+        if op == "open" and "/.git/refs/heads/" in path and comm is None:
             self._annotate_git_ref(sid, op, path, pid, detail)
             return
         self.emit(AuditEvent(**self.base(sid), kind="file", op=op, path=path, pid=pid,
-                             comm=comm_of(pid) if pid else "", detail=detail))
+                             comm=comm if comm is not None else comm_of(pid) if pid else "", detail=detail))
 
     def _annotate_git_ref(self, sid: str, op: str, path: str, pid: int, detail: dict[str, str]) -> None:
         """A git ref read, reported with the branch HEAD is on, read in a thread: .git/HEAD may

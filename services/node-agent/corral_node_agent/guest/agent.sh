@@ -17,11 +17,12 @@
 #   U id                              the writable layer, with the sandbox's processes frozen:
 #                                     -> C id t -b64 lines (a tar of it), C id o -b64 lines (the
 #                                     opaque directories, NUL-separated), then T id rc
-#   G id -list                        guard the sandbox's protected paths and canaries (LIST:
-#                                     NUL-terminated "p/path", "c/path"; init/corral-guest.c) ->
-#                                     F id rc 0 -error once every mark is set (a guard running
-#                                     already is replaced then); its reports: E 0 p|c pid denied
-#                                     who -comm -path, each on the channel before its open returns
+#   G id rate burst -list             guard the sandbox's protected paths and canaries (LIST:
+#                                     NUL-terminated "p/path", "c/path"; init/corral-guest.c) and,
+#                                     with rate > 0, report its file activity -> F id rc 0 -error
+#                                     once every mark is set (a guard running already is replaced
+#                                     then); its reports: E 0 kind pid denied who -comm -path
+#   Q id                              -> P id once the guard has handed on every event before it
 #   P id                              -> P id (the host's "are you there")
 # Answers go out whole, one at a time, through one writer; requests are served concurrently.
 # Every exec runs in a cgroup of its own under the sandbox's (which holds pids_max), every session
@@ -35,7 +36,7 @@ for p in /sys/class/virtio-ports/*; do
 done
 [ -n "$port" ] || { echo "corral-agent: no virtio-serial port named corral"; exit 1; }
 exec 3<>"$port"
-mkfifo $R/q
+mkfifo $R/q $R/gctl
 ( exec 4<>$R/q; while read -r f <&4; do cat "$f" >&3; rm -f "$f"; done ) &
 send() { # file: hand a finished answer to the writer
     mv "$1" "$1.out"
@@ -222,7 +223,7 @@ writef() {
 guard() {
     g=$R/g$1
     field "$2" "$g.list"
-    ( /bin/corral-guest guard /run/corral-holder.pid $R "$g.ready" < "$g.list" 2> "$g.err" &
+    ( /bin/corral-guest guard /run/corral-holder.pid $R "$g.ready" "$3" "$4" < "$g.list" 2> "$g.err" &
       echo $! > "$g.pid"; wait $!
       if [ -e "$g.ready" ] && [ ! -e "$g.replaced" ]; then echo "corral-agent: the guard of protected paths ended"; poweroff -f; fi ) &
     while [ ! -e "$g.ready" ] && kill -0 $! 2>/dev/null; do sleep 0.01; done
@@ -263,7 +264,8 @@ while read -r op id a b c d e f g h i <&3; do
         K) [ -e "$R/x$id/p" ] && ( killall_ "$(cat "$R/x$id/p")" "$(cat "$R/x$id/cg")" ) ;;
         R) readf "$id" "$a" "$b" & ;;
         W) d=$(take "$id" "$d"); writef "$id" "$a" "$b" "$c" "$d" & ;;
-        G) a=$(take "$id" "$a"); guard "$id" "$a" & ;;
+        G) c=$(take "$id" "$c"); guard "$id" "$c" "$a" "$b" & ;;
+        Q) if [ -e $R/guard ]; then echo "$id" > $R/gctl; else echo "P $id" > "$R/a$id"; send "$R/a$id"; fi ;;
         P) echo "P $id" > "$R/a$id"; send "$R/a$id" ;;
         U) upper "$id" & ;;
     esac

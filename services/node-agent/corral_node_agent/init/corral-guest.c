@@ -24,7 +24,7 @@
  *                                     operations), and exits with its status
  *                                     (128+signal if it was killed). 125 on a set-up failure, with
  *                                     the reason on stderr.
- *   corral-guest guard PIDFILE QDIR READY < LIST
+ *   corral-guest guard PIDFILE QDIR READY RATE BURST < LIST
  *                                     enforces the sandbox's protected paths and canaries (LIST:
  *                                     NUL-terminated "p/path" and "c/path") with fanotify
  *                                     permission events in the guest's kernel, as the node does for
@@ -37,6 +37,11 @@
  *                                     until killed. Opens by the agent itself (its cgroup is not
  *                                     under /sandbox) are not reported, but for files.read's (the
  *                                     cgroup /read), and are denied protected files all the same.
+ *                                     With RATE > 0 it reports the sandbox's file activity too
+ *                                     (opens, writes, execs: a notification group on its root's
+ *                                     superblock), RATE events/s after a burst of BURST. A line
+ *                                     (an id) in QDIR/gctl is answered "P id" once every event
+ *                                     read before it is handed on: the host's consistent point.
  *   corral-guest opaque DIR           prints, NUL-terminated and relative to DIR, the directories
  *                                     under DIR marked opaque (xattr trusted.overlay.opaque = y):
  *                                     what a tar of an overlay's upper directory does not carry.
@@ -61,12 +66,14 @@
 #include <dirent.h>
 #include <linux/openat2.h>
 #include <sys/fanotify.h>
+#include <poll.h>
 #include <sys/mount.h>
 #include <sys/xattr.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define HARNESS_ID 64222
@@ -379,11 +386,35 @@ static void b64(const unsigned char *in, size_t n, char *out) {
     out[o] = 0;
 }
 
-/* one "E 0 kind pid denied who -comm -path" line, through the agent's writer like its answers */
-static void report(char kind, int pid, int denied, const char *who, const char *path) {
-    char comm[64] = "", p[64], c64[96], p64[5500], name[4200], line[6000];
+/* what goes to the host, through the agent's writer like its answers: one file per flush */
+static char out[256 * 1024];
+static size_t out_len;
+static double out_since; /* when its first line came */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void flush_out(void) {
+    if (!out_len) return;
+    char name[4200];
+    snprintf(name, sizeof name, "%s/g%lu.out", guard_qdir, guard_seq++);
+    int fd = open(name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+        int ok = write(fd, out, out_len) == (ssize_t)out_len;
+        close(fd);
+        if (ok) dprintf(guard_q, "%s\n", name);
+    }
+    out_len = 0;
+}
+
+/* one "E 0 kind pid denied who -comm -path" line */
+static void report(const char *kind, int pid, int denied, const char *who, const char *path) {
+    char comm[64] = "", p[64], c64[96], p64[5500];
     snprintf(p, sizeof p, "/proc/%d/comm", pid);
-    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    int fd = pid > 0 ? open(p, O_RDONLY | O_CLOEXEC) : -1;
     if (fd >= 0) {
         ssize_t n = read(fd, comm, sizeof comm - 1);
         close(fd);
@@ -392,13 +423,10 @@ static void report(char kind, int pid, int denied, const char *who, const char *
     }
     b64((const unsigned char *)comm, strlen(comm), c64);
     b64((const unsigned char *)path, strnlen(path, 4000), p64);
-    int len = snprintf(line, sizeof line, "E 0 %c %d %d %s -%s -%s\n", kind, pid, denied, who, c64, p64);
-    snprintf(name, sizeof name, "%s/g%lu.out", guard_qdir, guard_seq++);
-    fd = open(name, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0) return;
-    int ok = write(fd, line, (size_t)len) == len;
-    close(fd);
-    if (ok) dprintf(guard_q, "%s\n", name);
+    if (out_len + 6000 > sizeof out) flush_out();
+    if (!out_len) out_since = now_s();
+    out_len += (size_t)snprintf(out + out_len, sizeof out - out_len, "E 0 %s %d %d %s -%s -%s\n", kind, pid, denied,
+                                who[0] ? who : "-", c64, p64);
 }
 
 /* whose open: "x<id>"/"s<name>" (an exec's or a session's cgroup under /sandbox), "read"
@@ -443,13 +471,95 @@ static void answer(const struct fanotify_event_metadata *m) {
         opener(m->pid, who, sizeof who);
         int dir = S_ISDIR(st.st_mode);
         allow = kind == 'c' || (who[0] == 0 && dir); /* the agent lists a protected tree (a guard after a resume) */
-        if (who[0] && (kind == 'p' || !dir)) report(kind, m->pid, !allow, who, path);
+        if (who[0] && (kind == 'p' || !dir)) {
+            report(kind == 'p' ? "p" : "c", m->pid, !allow, who, path);
+            flush_out(); /* on the channel before the open returns */
+        }
     }
     struct fanotify_response r = {.fd = m->fd, .response = allow ? FAN_ALLOW : FAN_DENY};
     if (write(guard_fan, &r, sizeof r) != sizeof r) { /* the opener is gone: nothing waits */ }
 }
 
-static int guard(const char *pidfile, const char *qdir, const char *ready) {
+/* ---------------------------------------------------------------- file activity */
+
+/* the sandbox's opens, writes and execs on its root filesystem (notification events: they never
+   block it), as the node reports a container's in fd mode (audit/files.py): repeats of one (op,
+   file) within ACT_WINDOW_S are coalesced, a token bucket (rate, burst) drops the rest, and the
+   drops are reported once a second */
+#define ACT_WINDOW_S 5.0 /* as the node's (audit/files.py) */
+#define ACT_SEEN 4096
+static int act_fan = -1;
+static double act_rate, act_burst, act_tokens, act_refill, act_drop_told;
+static unsigned long act_dropped;
+static struct { unsigned long h; double at; } act_seen[ACT_SEEN];
+
+static unsigned long fnv(const char *a, const char *b) {
+    unsigned long h = 1469598103934665603UL;
+    for (const char *p = a; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211UL;
+    h = (h ^ 0xff) * 1099511628211UL;
+    for (const char *p = b; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211UL;
+    return h;
+}
+
+static void activity(const struct fanotify_event_metadata *m) {
+    char who[128], p[64], path[4096];
+    opener(m->pid, who, sizeof who);
+    if (!who[0] || strcmp(who, "read") == 0) return; /* the agent's own: the node audits those requests itself */
+    snprintf(p, sizeof p, "/proc/self/fd/%d", m->fd);
+    ssize_t n = readlink(p, path, sizeof path - 1);
+    if (n <= 0) return;
+    path[n] = 0;
+    const struct { unsigned long long bit; const char *op; } ops[] = {{FAN_OPEN_EXEC, "exec"}, {FAN_CLOSE_WRITE, "write"}, {FAN_OPEN, "open"}};
+    for (size_t i = 0; i < 3; i++) {
+        if (!(m->mask & ops[i].bit)) continue;
+        double t = now_s();
+        unsigned long h = fnv(ops[i].op, path);
+        if (act_seen[h % ACT_SEEN].h == h && t - act_seen[h % ACT_SEEN].at < ACT_WINDOW_S) continue;
+        act_seen[h % ACT_SEEN].h = h, act_seen[h % ACT_SEEN].at = t;
+        act_tokens += (t - act_refill) * act_rate;
+        if (act_tokens > act_burst) act_tokens = act_burst;
+        act_refill = t;
+        if (act_tokens < 1) { act_dropped++; continue; }
+        act_tokens -= 1;
+        report(ops[i].op, m->pid, 0, who, path);
+    }
+}
+
+static void report_drops(void) {
+    if (!act_dropped) return;
+    char count[32];
+    snprintf(count, sizeof count, "%lu", act_dropped);
+    report("dropped", 0, 0, "-", count);
+    act_dropped = 0, act_drop_told = now_s();
+}
+
+static void drain_activity(void) {
+    static char buf[64 * 1024] __attribute__((aligned(8)));
+    for (;;) {
+        ssize_t len = read(act_fan, buf, sizeof buf);
+        if (len <= 0) return; /* EAGAIN: nothing more queued */
+        for (struct fanotify_event_metadata *m = (void *)buf; FAN_EVENT_OK(m, len); m = FAN_EVENT_NEXT(m, len)) {
+            if (m->fd < 0) { /* the kernel's queue overflowed: how many were lost is unknown */
+                if (m->mask & FAN_Q_OVERFLOW) report("overflow", 0, 0, "-", "");
+                continue;
+            }
+            activity(m);
+            close(m->fd);
+        }
+    }
+}
+
+static void drain_permissions(void) {
+    static char buf[64 * 1024] __attribute__((aligned(8)));
+    ssize_t len = read(guard_fan, buf, sizeof buf);
+    for (struct fanotify_event_metadata *m = (void *)buf; len > 0 && FAN_EVENT_OK(m, len); m = FAN_EVENT_NEXT(m, len)) {
+        if (m->fd < 0) continue; /* a queue overflow: permission events are never dropped */
+        if (m->mask & (FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM)) answer(m);
+        close(m->fd);
+    }
+}
+
+static int guard(const char *pidfile, const char *qdir, const char *ready, double rate, double burst) {
     FILE *f = fopen(pidfile, "r");
     int holder = 0;
     if (!f || fscanf(f, "%d", &holder) != 1 || holder <= 1) return die("the sandbox's namespace holder");
@@ -478,21 +588,42 @@ static int guard(const char *pidfile, const char *qdir, const char *ready) {
             return 125;
         }
     }
+    if (rate > 0) {
+        if ((act_fan = fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK, O_RDONLY | O_LARGEFILE | O_CLOEXEC)) < 0)
+            return die("fanotify_init (file activity)");
+        snprintf(p, sizeof p, "/proc/%d/root", holder); /* the superblock of the sandbox's root */
+        if (fanotify_mark(act_fan, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, FAN_OPEN | FAN_OPEN_EXEC | FAN_CLOSE_WRITE, AT_FDCWD, p) != 0)
+            return die("marking the sandbox's root filesystem");
+        act_rate = rate, act_burst = act_tokens = burst, act_refill = act_drop_told = now_s();
+    }
+    /* the agent's "is all of it out" (its Q): every event read so far reported, then the answer */
+    snprintf(p, sizeof p, "%s/gctl", qdir);
+    int ctl = open(p, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (ctl < 0) return die(p);
     int fd = open(ready, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) return die(ready);
     close(fd);
-    static char buf[64 * 1024] __attribute__((aligned(8)));
     for (;;) {
-        ssize_t len = read(guard_fan, buf, sizeof buf);
-        if (len < 0) {
-            if (errno == EINTR || errno == EAGAIN) continue;
-            return die("reading fanotify events");
+        struct pollfd pf[3] = {{guard_fan, POLLIN, 0}, {ctl, POLLIN, 0}, {act_fan, POLLIN, 0}};
+        int wait = out_len ? 100 : act_dropped ? 1000 : -1;
+        if (poll(pf, act_fan >= 0 ? 3 : 2, wait) < 0 && errno != EINTR) return die("poll");
+        if (pf[0].revents & POLLIN) drain_permissions();
+        if (act_fan >= 0 && (pf[2].revents & POLLIN)) drain_activity();
+        if (act_dropped && now_s() - act_drop_told >= 1.0) report_drops();
+        if (pf[1].revents & POLLIN) {
+            char ids[512];
+            ssize_t n = read(ctl, ids, sizeof ids - 1);
+            if (act_fan >= 0) drain_activity();
+            report_drops(); /* asked: the drops so far are part of the record too */
+            ids[n > 0 ? n : 0] = 0;
+            for (char *id = strtok(ids, "\n"); id; id = strtok(NULL, "\n")) {
+                if (out_len + 64 > sizeof out) flush_out();
+                if (!out_len) out_since = now_s();
+                out_len += (size_t)snprintf(out + out_len, sizeof out - out_len, "P %.40s\n", id);
+            }
+            flush_out();
         }
-        for (struct fanotify_event_metadata *m = (void *)buf; FAN_EVENT_OK(m, len); m = FAN_EVENT_NEXT(m, len)) {
-            if (m->fd < 0) continue; /* a queue overflow: permission events are never dropped */
-            if (m->mask & (FAN_OPEN_PERM | FAN_OPEN_EXEC_PERM)) answer(m);
-            close(m->fd);
-        }
+        if (out_len && now_s() - out_since >= 0.1) flush_out();
     }
 }
 
@@ -512,12 +643,12 @@ int main(int argc, char **argv) {
         return nftw(argv[2], opaque_one, 64, FTW_PHYS) == 0 && fflush(stdout) == 0 ? 0 : die(argv[2]);
     }
     if (argc == 4 && strcmp(argv[1], "hold") == 0) return hold(argv[2], argv[3]);
-    if (argc == 5 && strcmp(argv[1], "guard") == 0) return guard(argv[2], argv[3], argv[4]);
+    if (argc == 7 && strcmp(argv[1], "guard") == 0) return guard(argv[2], argv[3], argv[4], atof(argv[5]), atof(argv[6]));
     if (argc >= 5 && strcmp(argv[1], "enter") == 0) {
         int mode = strcmp(argv[2], "--harness") == 0 ? 1 : strcmp(argv[2], "--files") == 0 ? 2 : 0;
         int at = 2 + (mode != 0);
         if (argc >= at + 3 && strcmp(argv[at + 1], "--") == 0) return enter(mode, argv[at], argv + at + 2);
     }
-    dprintf(2, "corral-guest: usage: corral-guest hold PIDFILE ROOT | corral-guest guard PIDFILE QDIR READY | corral-guest enter [--harness|--files] PIDFILE -- CMD...\n");
+    dprintf(2, "corral-guest: usage: corral-guest hold PIDFILE ROOT | corral-guest guard PIDFILE QDIR READY RATE BURST | corral-guest enter [--harness|--files] PIDFILE -- CMD...\n");
     return 125;
 }

@@ -65,10 +65,11 @@ class Sandbox:
 
 
 class GuardedOpen(msgspec.Struct, frozen=True):
-    """An open of a guarded path that a substrate guarding its sandboxes' paths itself saw
-    (`Substrate.guard_paths`): `kind` "p" a protected path (`denied`), "c" a canary; `who` whose
-    open: an exec's or a session's name, "read" for the node's files.read, "?" for a process gone
-    before it could be told."""
+    """What a substrate guarding its sandboxes itself saw (`Substrate.guard_paths`): an open of a
+    guarded path, `kind` "p" a protected one (`denied`), "c" a canary; or file activity, `kind`
+    "open", "write" or "exec"; or "dropped" / "overflow", activity lost to the rate limit or the
+    kernel's queue (`path`: how many, when known). `who` whose open: an exec's or a session's
+    name, "read" for the node's files.read, "?" for a process gone before it could be told."""
     kind: str
     pid: int
     denied: bool
@@ -147,9 +148,11 @@ class Substrate(abc.ABC):
     @abc.abstractmethod
     async def destroy(self, sb: Sandbox) -> None: ...
 
-    async def guard_paths(self, sb: Sandbox, on_open: Callable[[GuardedOpen], None]) -> None:
+    async def guard_paths(self, sb: Sandbox, on_open: Callable[[GuardedOpen], None],
+                          activity: tuple[float, float] | None = None) -> None:
         """Deny the sandbox's protected paths and watch its canaries (`guards_paths`), every open
-        reported to `on_open`; returns once they are guarded."""
+        reported to `on_open`, and with `activity` (events/s, burst) its file activity too;
+        returns once they are guarded."""
         raise InvalidRequest(f"substrate {self.name!r} does not guard paths itself")
 
     async def audit_barrier(self, sb: Sandbox) -> None:

@@ -20,8 +20,8 @@ commands run in namespaces of their own without a capability, harness commands a
 saves the whole guest (microvm_qmp.py); a create of its image resumes it. `changes` and file
 snapshots read the writable layer through the agent (microvm_upper.py). Protected paths and
 canaries are guarded by fanotify in the guest's own kernel (corral-guest guard), reported over the
-channel. Not yet (clear errors): forks, file activity audit, adoption after a node-agent restart
-(its guests are cleaned up instead)."""
+channel, as is the sandbox's file activity (opens, writes, execs). Not yet (clear errors): forks,
+adoption after a node-agent restart (its guests are cleaned up instead)."""
 from __future__ import annotations
 
 import asyncio
@@ -493,20 +493,22 @@ class MicrovmSubstrate(Substrate):
                 raise InvalidRequest(f"no space left in the sandbox for {path} (disk_mb={sb.spec.disk_mb})")
             raise InvalidRequest(f"cannot write {path} in the sandbox: {text or 'failed'}")
 
-    async def guard_paths(self, sb: Sandbox, on_open: Callable[[GuardedOpen], None]) -> None:
+    async def guard_paths(self, sb: Sandbox, on_open: Callable[[GuardedOpen], None],
+                          activity: tuple[float, float] | None = None) -> None:
         assert isinstance(sb, MicrovmSandbox)
         sb.chan.on_guard = on_open
-        a = await sb.chan.guard(list(sb.spec.protected_paths), list(sb.spec.canaries))
+        a = await sb.chan.guard(list(sb.spec.protected_paths), list(sb.spec.canaries), activity)
         if a.rc != 0:
             raise InvalidRequest(f"the guest could not guard the protected paths and canaries: "
                                  f"{a.data.decode(errors='replace').strip() or 'failed'}")
 
     async def audit_barrier(self, sb: Sandbox) -> None:
-        """The guard hands its reports to the agent's one writer before it answers the open, so
-        an answer to a request sent now comes after every report of an open done before."""
+        """The guard reports a guarded open before it answers it, and answers this (Q) once it
+        has handed on every event it read before: all through the agent's one writer, so the
+        answer comes after them."""
         assert isinstance(sb, MicrovmSandbox)
-        if (sb.spec.protected_paths or sb.spec.canaries) and not sb.paused:  # (paused: nothing runs to open)
-            await asyncio.wait_for(sb.chan.call("P"), 30)
+        if not sb.paused:  # (paused: nothing runs)
+            await asyncio.wait_for(sb.chan.call("Q"), 30)
 
     # ------------------------------------------------------------------ its writable layer, on the host
 

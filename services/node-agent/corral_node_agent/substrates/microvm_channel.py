@@ -22,6 +22,7 @@ from .base import GuardedOpen
 log = logging.getLogger("corral.node.microvm")
 
 HOST_GRACE_S = 5.0
+GUARD_KINDS = ("p", "c", "open", "write", "exec", "dropped", "overflow")  # what the guard's E lines report
 STREAMS = {"o": "stdout", "e": "stderr"}
 LINE_LIMIT = 64 << 20  # an answer's line: base64 of up to two outputs of max_output_bytes
 
@@ -128,7 +129,7 @@ class GuestChannel:
             self.waiting.clear()
 
     def _guarded(self, parts: list[str]) -> None:
-        if self.on_guard is None or len(parts) != 8 or parts[2] not in ("p", "c"):
+        if self.on_guard is None or len(parts) != 8 or parts[2] not in GUARD_KINDS:
             return
         try:
             report = GuardedOpen(kind=parts[2], pid=int(parts[3]), denied=parts[4] == "1", who=parts[5],
@@ -230,10 +231,12 @@ class GuestChannel:
         a = await self.call("W", format(mode & 0o7777, "o"), "1" if make_parents else "0", b64(path.encode()), raw(data), payload=data)
         return FileAnswer(rc=int(a[0]), mode=0, data=unb64(a[2]))
 
-    async def guard(self, protected: list[str], canaries: list[str]) -> FileAnswer:
-        """Have the guest guard these paths (corral-guest guard); answered once every mark is set."""
+    async def guard(self, protected: list[str], canaries: list[str], activity: tuple[float, float] | None) -> FileAnswer:
+        """Have the guest guard these paths (corral-guest guard) and, with `activity` (events/s,
+        burst), report the sandbox's file activity; answered once every mark is set."""
         payload = b"".join(b"p" + p.encode() + b"\0" for p in protected) + b"".join(b"c" + c.encode() + b"\0" for c in canaries)
-        a = await self.call("G", raw(payload), payload=payload)
+        rate, burst = activity or (0.0, 0.0)
+        a = await self.call("G", f"{rate:g}", f"{burst:g}", raw(payload), payload=payload)
         return FileAnswer(rc=int(a[0]), mode=0, data=unb64(a[2]))
 
     async def close(self) -> None:
