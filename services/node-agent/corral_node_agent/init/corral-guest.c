@@ -229,13 +229,20 @@ static int hold(const char *pidfile, const char *root) {
     }
 }
 
+/* the pid `hold` wrote (0 if none) */
+static int holder_pid(const char *pidfile) {
+    FILE *f = fopen(pidfile, "r");
+    int holder = 0;
+    if (f && fscanf(f, "%d", &holder) != 1) holder = 0;
+    if (f) fclose(f);
+    return holder;
+}
+
 /* mode: 0 the agent's command, 1 the harness's, 2 the node's file operations (root, all its
    capabilities, but the sandbox's view of the files: its symlinks lead nowhere else) */
 static int enter(int mode, const char *pidfile, char **argv) {
-    FILE *f = fopen(pidfile, "r");
-    int holder = 0;
-    if (!f || fscanf(f, "%d", &holder) != 1 || holder <= 1) return die("the sandbox's namespace holder");
-    fclose(f);
+    int holder = holder_pid(pidfile);
+    if (holder <= 1) return die("the sandbox's namespace holder");
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/root", holder);
     int rootfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -560,10 +567,8 @@ static void drain_permissions(void) {
 }
 
 static int guard(const char *pidfile, const char *qdir, const char *ready, double rate, double burst) {
-    FILE *f = fopen(pidfile, "r");
-    int holder = 0;
-    if (!f || fscanf(f, "%d", &holder) != 1 || holder <= 1) return die("the sandbox's namespace holder");
-    fclose(f);
+    int holder = holder_pid(pidfile);
+    if (holder <= 1) return die("the sandbox's namespace holder");
     char p[4200];
     snprintf(p, sizeof p, "/proc/%d/root", holder);
     if ((guard_root = open(p, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0) return die(p);
