@@ -324,7 +324,12 @@ async def test_memory_is_the_guests_and_an_oom_ends_only_the_process(vm_stack, s
         assert 96 <= int(r.stdout) <= 96 + 8 + 64, r  # memory_mb + disk_mb + the guest's base share
         r = await sb.exec('dd if=/dev/zero of=/dev/null bs=400M count=1; echo "dd=$? survived"', timeout_s=60)
         assert "dd=0" not in r.stdout and "survived" in r.stdout, r  # dd is refused or killed; the shell goes on
-        assert (await sb.exec("echo fine")).stdout == "fine\n"
+        # memory grown bit by bit: the guest's OOM killer ends the process, and the exec says so as on a container
+        r = await sb.exec("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}", timeout_s=60)
+        assert r.exit_code == 137 and r.oom_killed is True and "200000000" not in r.stdout, r
+        assert "ran out of memory (memory_mb=96)" in r.stderr, r
+        r = await sb.exec("echo fine")
+        assert r.stdout == "fine\n" and r.oom_killed is False, r  # the agent (spared by the OOM killer) goes on
     finally:
         await sb.destroy()
 

@@ -3,7 +3,8 @@
 # per answer; binary fields are base64 behind a "-" (so that an empty one is still a field), or,
 # in a request, "=N": N raw bytes that follow its line (a request has one such field at most).
 #   X id timeout max -script -stdin stream   run the script (its own process group) -> D id rc
-#                                     timed_out out_size err_size -out -err (each cut to max bytes);
+#                                     timed_out out_size err_size -out -err oom (each output cut to
+#                                     max bytes; oom: how many of its processes the OOM killer ended);
 #                                     with stream=1, before it: O id o|e -bytes as output appears
 #   S id name timeout max stream -start -pre -cmd -stdin uid   the same in session `name`: a shell
 #                                     that stays (started by the script -start when there is none),
@@ -30,6 +31,9 @@
 R=/run/corral
 CG=/sys/fs/cgroup/sandbox
 mkdir -p $R
+# the sandbox exhausting the guest's memory must not end the agent: the OOM killer passes over it
+# (corral-guest gives each command the default back)
+echo -1000 > /proc/self/oom_score_adj
 port=""
 for p in /sys/class/virtio-ports/*; do
     [ "$(cat "$p/name")" = corral ] && port=/dev/$(basename "$p")
@@ -98,12 +102,16 @@ run() {
     kill "$w" 2>/dev/null
     wait "$w" 2>/dev/null
     t=0; [ -e "$d/t" ] && t=1
-    answer "$1" "$rc" "$t" "$d" "$3" "$st"
+    answer "$1" "$rc" "$t" "$d" "$3" "$st" "$(oomkills "$cg")"
 }
-answer() { # id rc timed_out dir max streamer: the last of the output, then D
+oomkills() { # cgroup: how many of its processes the OOM killer has ended
+    n=$(sed -n 's/^oom_kill //p' "$1/memory.events" 2>/dev/null)
+    echo "${n:-0}"
+}
+answer() { # id rc timed_out dir max streamer oom: the last of the output, then D
     if [ -n "$6" ]; then : > "$R/x$1/z"; wait "$6"; stream "$1" "$4" "$5"; fi
-    printf 'D %s %s %s %s %s -%s -%s\n' "$1" "$2" "$3" "$(wc -c < "$4/o")" "$(wc -c < "$4/e")" \
-        "$(head -c "$5" "$4/o" | base64 -w0)" "$(head -c "$5" "$4/e" | base64 -w0)" > "$R/a$1"
+    printf 'D %s %s %s %s %s -%s -%s %s\n' "$1" "$2" "$3" "$(wc -c < "$4/o")" "$(wc -c < "$4/e")" \
+        "$(head -c "$5" "$4/o" | base64 -w0)" "$(head -c "$5" "$4/e" | base64 -w0)" "${7:-0}" > "$R/a$1"
     rm -rf "$4" "$R/x$1"
     send "$R/a$1"
     # the cgroups of execs that are done, once what they left running has ended
@@ -160,6 +168,7 @@ sess() {
     p=$(cat "$s/p")
     echo "$p" > "$R/x$1/p"
     echo "$cg" > "$R/x$1/cg"
+    o0=$(oomkills "$cg")  # the session's group counts over its life: this call's are the difference
     # the status first, then the mark the agent waits for (shell built-ins only: images vary)
     printf '{ %s && . %s/u; } < %s/i > %s/o 2> %s/e; echo $? > %s/rc; : > %s/r\n' \
         "$(echo "${7#-}" | base64 -d)" "$c" "$c" "$c" "$c" "$c" "$c" 1<> "$s/q"  # read-write: never blocks
@@ -178,7 +187,7 @@ sess() {
     else  # timed out, or killed (K): the session goes with it
         t=1; rc=137; rm -rf "$s"
     fi
-    answer "$1" "$rc" "$t" "$d" "$4" "$st"
+    answer "$1" "$rc" "$t" "$d" "$4" "$st" "$(($(oomkills "$cg") - o0))"
 }
 # files.read in a cgroup of its own: the guard reports what it opens that is guarded
 inread() { sh -c 'echo $$ > /sys/fs/cgroup/read/cgroup.procs || exit 125; exec "$@"' corral-read \

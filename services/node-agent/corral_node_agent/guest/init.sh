@@ -56,8 +56,11 @@ cd /
 # pids_max binds the sandbox's processes (every exec joins this group), not the agent
 mkdir -p /sys/fs/cgroup
 mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
-echo +pids > /sys/fs/cgroup/cgroup.subtree_control
+# memory: no limit here (the guest's RAM is memory_mb + disk_mb), but memory.events counts the
+# processes the guest's OOM killer ends in each exec's group
+echo "+pids +memory" > /sys/fs/cgroup/cgroup.subtree_control
 mkdir /sys/fs/cgroup/sandbox
+echo +memory > /sys/fs/cgroup/sandbox/cgroup.subtree_control || fail "no memory controller"
 echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
 mkdir /sys/fs/cgroup/read  # the agent's files.read (the guard reports its opens: agent.sh)
 mkdir -p /mnt/root/.corral/io

@@ -194,6 +194,13 @@ static int sandbox_view(const char *root) {
     return 0;
 }
 
+static void oom_adj(const char *value) {
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    if (write(fd, value, strlen(value)) < 0) { /* best effort: the OOM killer's choice, not the sandbox's walls */ }
+    close(fd);
+}
+
 static int hold(const char *pidfile, const char *root) {
     if (unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) return die("unshare");
     pid_t pid = fork();
@@ -209,6 +216,7 @@ static int hold(const char *pidfile, const char *root) {
        pivoted away), so nothing of the guest's own files is left to reach through /proc/1/root */
     if (chdir(root) != 0 || mount(root, "/", NULL, MS_MOVE, NULL) != 0 || chroot(".") != 0 || chdir("/") != 0)
         _exit(die("the sandbox's root"));
+    oom_adj("-1000"); /* PID 1 of the namespace: its end would take every process of the sandbox */
     if (drop_caps() != 0 || clear_caps() != 0) _exit(die("dropping capabilities"));
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     syscall(SYS_close_range, 3, ~0U, 0);
@@ -260,6 +268,7 @@ static int enter(int mode, const char *pidfile, char **argv) {
     if (pid < 0) return die("fork");
     if (pid == 0) {
         signal(SIGPIPE, SIG_DFL);
+        oom_adj("0"); /* the agent is spared by the OOM killer (-1000): not what it runs */
         /* nothing of the agent's but stdio: its shell holds the virtio-serial port (its line to
            the host) and more, and a descriptor left open would be the command's to write to */
         if (syscall(SYS_close_range, 3, ~0U, 0) != 0) _exit(die("closing the agent's descriptors"));
@@ -575,8 +584,7 @@ static int guard(const char *pidfile, const char *qdir, const char *ready, doubl
     guard_qdir = qdir;
     snprintf(p, sizeof p, "%s/q", qdir);
     if ((guard_q = open(p, O_WRONLY | O_CLOEXEC)) < 0) return die(p);
-    int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC); /* the sandbox filling the guest's memory must not end it */
-    if (adj >= 0) { if (write(adj, "-1000", 5) != 5) { } close(adj); }
+    oom_adj("-1000"); /* the sandbox filling the guest's memory must not end it */
     if ((guard_fan = fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, O_RDONLY | O_LARGEFILE | O_CLOEXEC)) < 0) return die("fanotify_init");
     static char list[1 << 20];
     size_t n = fread(list, 1, sizeof list - 1, stdin);

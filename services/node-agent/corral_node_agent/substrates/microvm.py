@@ -445,8 +445,8 @@ class MicrovmSubstrate(Substrate):
                                       req.stdin.encode(), req.timeout_s, req.max_output_bytes, on_chunk)
         stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
         code = 137 if done.timed_out else done.exit_code
-        return ExecResult(exit_code=code, stdout=stdout, stderr=result_stderr(stderr, sb.spec, req, False, done.timed_out),
-                          duration_ms=(time.perf_counter() - t0) * 1000, timed_out=done.timed_out,
+        return ExecResult(exit_code=code, stdout=stdout, stderr=result_stderr(stderr, sb.spec, req, done.oom_killed, done.timed_out),
+                          oom_killed=done.oom_killed, duration_ms=(time.perf_counter() - t0) * 1000, timed_out=done.timed_out,
                           truncated=max(done.out_size, done.err_size) > req.max_output_bytes,
                           signal=signal.SIGKILL.value if done.timed_out else (code - 128 if code > 128 else None))
 

@@ -34,6 +34,7 @@ class ExecDone(msgspec.Struct, frozen=True):
     err_size: int
     stdout: bytes
     stderr: bytes
+    oom_killed: bool = False  # the guest's OOM killer ended a process of it
 
 
 class SessionCall(msgspec.Struct, frozen=True):
@@ -194,7 +195,7 @@ class GuestChannel:
         finally:
             self.streams.pop(rid, None)
         done = ExecDone(exit_code=int(a[0]), timed_out=a[1] == "1", out_size=int(a[2]), err_size=int(a[3]),
-                        stdout=unb64(a[4]), stderr=unb64(a[5]))
+                        stdout=unb64(a[4]), stderr=unb64(a[5]), oom_killed=len(a) > 6 and a[6].isdigit() and int(a[6]) > 0)
         if on_chunk is not None:  # what the guest had not streamed yet
             for name, data in (("stdout", done.stdout), ("stderr", done.stderr)):
                 if len(data) > sent[name]:
