@@ -59,6 +59,13 @@ def raw(data: bytes) -> str:
     return f"={len(data)}"
 
 
+def _strict_b64(field: str) -> str:
+    """A report's text field: "-" and base64, or ValueError."""
+    if not field.startswith("-"):
+        raise ValueError(field)
+    return base64.b64decode(field[1:], validate=True).decode(errors="replace")
+
+
 def unb64(field: str) -> bytes:
     return base64.b64decode(field[1:]) if len(field) > 1 else b""
 
@@ -134,8 +141,8 @@ class GuestChannel:
             return
         try:
             report = GuardedOpen(kind=parts[2], pid=int(parts[3]), denied=parts[4] == "1", who=parts[5],
-                                 comm=unb64(parts[6]).decode(errors="replace"), path=unb64(parts[7]).decode(errors="replace"))
-        except ValueError:
+                                 comm=_strict_b64(parts[6]), path=_strict_b64(parts[7]))
+        except ValueError:  # (binascii.Error is one)
             log.warning("a malformed guard report from the guest", extra={"fields": {"sock": self.sock}})
             return
         try:
