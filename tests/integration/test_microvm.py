@@ -24,7 +24,7 @@ from corral_sdk import AsyncClient, Conflict, Forbidden, InvalidRequest, NotFoun
 
 from .. import leaks
 from ..conftest import running_stack
-from .test_audit_sources import check_canaries, check_protected_paths, import_protected_image
+from .test_audit_sources import Watch, check_canaries, check_protected_paths, import_protected_image
 from .test_changes import check_listing_and_packing
 from .test_warm_pool import Heartbeats
 
@@ -482,3 +482,77 @@ async def test_a_guests_file_activity_is_rate_limited_and_its_drops_are_in_the_r
                 assert (await sb.exec("echo alive")).stdout == "alive\n"
             finally:
                 await sb.destroy()
+
+
+async def test_a_restarted_node_agent_adopts_its_guests_with_their_state_and_guard():
+    """kill -9 of the node-agent: its guests run on (QEMU in a session of its own; the guest's
+    agent waits for the next host), and the restarted agent adopts them: files, a background
+    process, a session's shell, a paused guest still paused; the guard still denies the protected
+    file, and what the sandbox tried while no agent ran is reported once one does (the guard's
+    report waits in the port); the record says it has a gap. One stack, one guest of each."""
+    async with running_stack(monitor=False, microvm=True, vm=True) as s:
+        image = await import_protected_image(s.url)
+        nc = await nats.connect(s.url)
+        got: list[Event] = []
+
+        async def on_event(m) -> None:
+            got.append(msgspec.json.decode(m.data, type=Event))
+
+        await nc.subscribe(subjects.EVENTS_ALL, cb=on_event)
+        try:
+            async with await AsyncClient.connect(s.url) as c:
+                sbs = [await c.create(image=image, substrate=sub, memory_mb=128, disk_mb=16, job="adopt",
+                                      protected_paths=["/secret/answer.txt"]) for sub in ("microvm", "vm")]
+                paused = await c.create(image="busybox", substrate="microvm", memory_mb=128, disk_mb=16)
+                for sb in sbs:
+                    await sb.files.write("/state.txt", "before crash")
+                    await sb.exec("sleep 600 &")
+                    await sb.exec("cd /tmp && export KEPT=yes", session="s")
+                await paused.pause()
+                for sb in sbs:  # last: it reads 3 s after, with no agent running
+                    await sb.exec("(sleep 3; cat /secret/answer.txt) > /dev/null 2>&1 &")
+                ids = [sb.id for sb in [*sbs, paused]]
+
+                def qemus_of_ours() -> set[int]:  # (the module's other stack runs guests too)
+                    return {pid for pid, args in _procs() if "qemu-system" in args.split(" ")[0]
+                            and any(i in _cgroup_of(pid) for i in ids)}
+
+                qemus = qemus_of_ours()
+                assert len(qemus) == 3, qemus
+
+                agent = s.proc("node-1").popen
+                os.kill(agent.pid, 9)
+                agent.wait()
+                await asyncio.sleep(5)  # the background cat runs, and is denied, while no agent does
+                assert qemus_of_ours() == qemus  # no guest ended
+                s.restart("node-1")
+                deadline = time.monotonic() + 60
+                while not any(e.kind == "ready" and e.sandbox_id == paused.id and "adopted" in e.reason for e in got):
+                    assert time.monotonic() < deadline, [(e.kind, e.sandbox_id, e.reason) for e in got]
+                    await asyncio.sleep(0.2)
+
+                for sb in sbs:
+                    assert [e for e in got if e.kind == "ready" and e.sandbox_id == sb.id and "adopted" in e.reason]
+                    r = await sb.exec("cat /state.txt; echo; ps | grep -c '[s]leep 600'")
+                    assert (r.exit_code, r.stdout) == (0, "before crash\n1\n"), r
+                    r = await sb.exec("pwd; echo $KEPT", session="s")
+                    assert r.stdout == "/tmp\nyes\n", r
+                    r = await sb.exec("cat /secret/answer.txt")
+                    assert r.exit_code != 0 and "42" not in r.stdout and "not permitted" in r.stderr, r
+                    state = await sb.audit_state()
+                    assert "node-agent restarted" in state.reasons, state
+                    async with Watch(nc, sb.info.node, sb.id) as w:
+                        def denied_opens() -> list:
+                            return [e for e in w.of("file") if e.path == "/secret/answer.txt" and e.denied and e.op == "open"]
+                        # the one while no agent ran, reported after the restart, and the one after it
+                        await w.until(lambda: len(denied_opens()) == 2, what="both denied opens")
+                assert (await paused.refresh()).state == "paused"
+                with pytest.raises(Conflict, match="paused"):
+                    await paused.exec("true")
+                await paused.resume()
+                assert (await paused.exec("echo up")).stdout == "up\n"
+                for sb in [*sbs, paused]:
+                    await sb.destroy()
+                assert not qemus_of_ours()
+        finally:
+            await nc.close()

@@ -35,3 +35,17 @@ def test_every_kind_of_report_is_handed_on_whole():
 
 def test_a_malformed_or_unknown_report_is_dropped():
     assert _read("E 0 p notapid 1 x7 - -", "E 0 mount 1 0 x1 - -", "E 0 p 1 1 x1 -", f"E 0 p 1 1 x1 - -{'!' * 5}") == []
+
+
+def test_reports_before_anyone_takes_them_are_held_and_handed_on_in_order():
+    """An adopted guest's guard reports what it saw while no node-agent ran as soon as the new
+    channel connects, before the node's audit wiring takes its reports: none may be lost."""
+    chan = GuestChannel("/nonexistent")
+    lines = [f"E 0 p {pid} 1 x7 {_b64('cat')} {_b64('/secret/answer.txt')}" for pid in (10, 11)]
+    for line in lines:
+        chan._guarded(line.split())
+    got: list[GuardedOpen] = []
+    chan.on_guard = got.append
+    chan._guarded(f"E 0 c 12 0 x8 {_b64('cat')} {_b64('/canary')}".split())
+    assert [(g.kind, g.pid) for g in got] == [("p", 10), ("p", 11), ("c", 12)]
+    assert chan.held == []

@@ -222,6 +222,14 @@ class Cgroups:
         for d in self.all_dirs():
             _write_strict(f"{d}/cgroup.procs", str(pid))
 
+    def holds(self, pid: int) -> bool:
+        """Whether process `pid` is in this cgroup itself (not a child group)."""
+        try:
+            with open(self.path("pids", "cgroup.procs")) as f:
+                return str(pid) in f.read().split()
+        except OSError:
+            return False
+
     def wait_empty(self, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -26,6 +26,9 @@
 #   Q id                              -> P id once the guard has handed on every event before it
 #   P id                              -> P id (the host's "are you there")
 # Answers go out whole, one at a time, through one writer; requests are served concurrently.
+# The host may go away and come back (a node-agent restart): the port reads end-of-file while no
+# host is connected, and a request it cut off is dropped (a short raw field, a line without its
+# end); answers written meanwhile wait in the port for the next host.
 # Every exec runs in a cgroup of its own under the sandbox's (which holds pids_max), every session
 # in one of its own: a timeout or a kill ends all that it started, however it daemonised.
 R=/run/corral
@@ -46,7 +49,8 @@ send() { # file: hand a finished answer to the writer
     mv "$1" "$1.out"
     echo "$1.out" > $R/q
 }
-take() { # id field: a raw field's bytes (=N) off the port into a file, named as "@file" for field()
+take() { # id field: a raw field's bytes (=N) off the port into a file, named as "@file" for field();
+    # "!" if the host went away before all N came
     case "$2" in
         =*)
             n=${2#=}
@@ -55,7 +59,7 @@ take() { # id field: a raw field's bytes (=N) off the port into a file, named as
             # exactly N bytes: whole blocks, then the rest (a read of a block may not go past them)
             [ "$n" -ge 65536 ] && dd bs=65536 count=$((n / 65536)) iflag=fullblock 2>/dev/null <&3 >> "$f"
             [ $((n % 65536)) -gt 0 ] && dd bs=$((n % 65536)) count=1 iflag=fullblock 2>/dev/null <&3 >> "$f"
-            echo "@$f" ;;
+            if [ "$(wc -c < "$f")" = "$n" ]; then echo "@$f"; else rm -f "$f"; echo "!"; fi ;;
         *) echo "$2" ;;
     esac
 }
@@ -266,14 +270,18 @@ upper() {
 }
 echo "H 0 ready" > $R/hello
 send $R/hello
-while read -r op id a b c d e f g h i <&3; do
+while :; do
+    if ! read -r op id a b c d e f g h i <&3; then
+        sleep 0.05  # no host (end-of-file), or a line it did not finish: wait for the next
+        continue
+    fi
     case "$op" in
-        X) d=$(take "$id" "$d"); run "$id" "$a" "$b" "$c" "$d" "$e" & ;;
-        S) h=$(take "$id" "$h"); sess "$id" "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$i" & ;;
+        X) d=$(take "$id" "$d"); [ "$d" = "!" ] || run "$id" "$a" "$b" "$c" "$d" "$e" & ;;
+        S) h=$(take "$id" "$h"); [ "$h" = "!" ] || sess "$id" "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$i" & ;;
         K) [ -e "$R/x$id/p" ] && ( killall_ "$(cat "$R/x$id/p")" "$(cat "$R/x$id/cg")" ) ;;
         R) readf "$id" "$a" "$b" & ;;
-        W) d=$(take "$id" "$d"); writef "$id" "$a" "$b" "$c" "$d" & ;;
-        G) c=$(take "$id" "$c"); guard "$id" "$c" "$a" "$b" & ;;
+        W) d=$(take "$id" "$d"); [ "$d" = "!" ] || writef "$id" "$a" "$b" "$c" "$d" & ;;
+        G) c=$(take "$id" "$c"); [ "$c" = "!" ] || guard "$id" "$c" "$a" "$b" & ;;
         Q) if [ -e $R/guard ]; then echo "$id" > $R/gctl; else echo "P $id" > "$R/a$id"; send "$R/a$id"; fi ;;
         P) echo "P $id" > "$R/a$id"; send "$R/a$id" ;;
         U) upper "$id" & ;;

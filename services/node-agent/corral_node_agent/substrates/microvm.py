@@ -20,13 +20,13 @@ commands run in namespaces of their own without a capability, harness commands a
 saves the whole guest (microvm_qmp.py); a create of its image resumes it. `changes` and file
 snapshots read the writable layer through the agent (microvm_upper.py). Protected paths and
 canaries are guarded by fanotify in the guest's own kernel (corral-guest guard), reported over the
-channel, as is the sandbox's file activity (opens, writes, execs). Not yet (clear errors): forks,
-adoption after a node-agent restart (its guests are cleaned up instead)."""
+channel, as is the sandbox's file activity (opens, writes, execs). QEMU runs in a session of its
+own and outlives the node-agent: a restarted agent adopts the guests (microvm_adopt.py). Not yet
+(a clear error): forks."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -36,7 +36,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -50,20 +49,18 @@ from corral_common.contract.messages import HARNESS_UID, ChangesReply, ChangesRe
 from .. import cgroups
 from ..layermounts import ImageFiles, LayerMounts
 from ..sessions import SHELLS
-from . import microvm_qmp, microvm_upper
+from . import microvm_accel, microvm_adopt, microvm_qmp, microvm_upper
 from .base import AdoptReport, ChunkCallback, GuardedOpen, Sandbox, Substrate, Usage
-from .common import result_stderr
+from .common import load_record, result_stderr, save_record
 from .container import WARM_PREFIX
 from .container_sandbox import DEFAULT_ENV
 from .microvm_channel import ExecDone, GuestChannel, SessionCall
-from .microvm_guest import GUEST_CACHE, Guest, ensure_guest
+from .microvm_guest import Guest, ensure_guest
+from .microvm_process import QemuProcess
 from .microvm_scripts import exec_script, session_script
 
 log = logging.getLogger("corral.node.microvm")
 
-ACCEL_ENV = "CORRAL_MICROVM_ACCEL"
-ACCEL_CACHE_S = 86400.0
-KVM_PROBE_S, TCG_PROBE_S = 8.0, 60.0
 BOOT_TIMEOUT_S = 25.0  # under the scheduler's 30 s wait for a node: the node says why, not the scheduler "no answer"
 #: QEMU's own memory beside the guest's RAM (its code, TCG's translation cache of TB_SIZE_MB)
 QEMU_OVERHEAD_MB = 160
@@ -79,7 +76,7 @@ WARM_SPEC = SandboxSpec(image="busybox")
 
 class MicrovmSandbox(Sandbox):
     def __init__(self, info: SandboxInfo, spec: SandboxSpec, sdir: str, cg: cgroups.Cgroups,
-                 proc: asyncio.subprocess.Process, chan: GuestChannel, files: ImageFiles, append: str):
+                 proc: QemuProcess, chan: GuestChannel, files: ImageFiles, append: str):
         super().__init__(info, spec)
         self.sdir = sdir
         self.cg = cg
@@ -122,67 +119,11 @@ class MicrovmSubstrate(Substrate):
         with open(f"{self.state_dir}/cgroup-parent-{self.name}", "w") as f:  # for the stack's last-resort sweep
             f.write(self.cgroup_parent + "\n")
         self.guest = await asyncio.to_thread(ensure_guest)
-        self.accel = await self._choose_accel()
+        self.accel = await microvm_accel.choose(self)
         log.info(f"{self.name} substrate ready", extra={"fields": {"accel": self.accel, "kernel": self.guest.version}})
 
-    # ------------------------------------------------------------------ accelerator
-
-    async def _choose_accel(self) -> str:
-        forced = os.environ.get(ACCEL_ENV, "")
-        if forced:
-            if forced not in ("kvm", "tcg"):
-                raise Unavailable(f"{ACCEL_ENV}={forced!r}: use kvm or tcg")
-            return forced
-        cache = f"{GUEST_CACHE}/accel-{self.name}"
-        with contextlib.suppress(OSError):
-            if time.time() - os.path.getmtime(cache) < ACCEL_CACHE_S:
-                with open(cache) as f:
-                    cached = f.read().strip()
-                if cached in ("kvm", "tcg"):
-                    return cached
-        problems = []
-        for accel, limit in (("kvm", KVM_PROBE_S), ("tcg", TCG_PROBE_S)):
-            if accel == "kvm" and not os.access("/dev/kvm", os.R_OK | os.W_OK):
-                problems.append("kvm: no /dev/kvm")
-                continue
-            problem = await self._probe(accel, limit)
-            if not problem:
-                with open(cache + ".tmp", "w") as f:
-                    f.write(accel + "\n")
-                os.replace(cache + ".tmp", cache)
-                return accel
-            problems.append(f"{accel}: {problem}")
-        raise Unavailable(f"QEMU cannot boot the {self.name} guest here ({'; '.join(problems)})")
-
-    async def _probe(self, accel: str, limit: float) -> str:
-        """Boot the guest to its init (corral_probe=1 powers off there); '' if it got there. The
-        console goes to a file: read through a pipe by the node-agent, the guest's boot stalled."""
-        d = tempfile.mkdtemp(prefix=f"{self.name}-probe-", dir=self.state_dir)
-        try:
-            with open(f"{d}/qemu.log", "wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(*self._argv(accel, 128, 1, self._append(accel, "corral_probe=1"), f"file:{d}/console.log"),
-                                                            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                                                            stderr=log_file)
-            try:
-                deadline = time.monotonic() + limit
-                while time.monotonic() < deadline:
-                    with contextlib.suppress(OSError), open(f"{d}/console.log", "rb") as f:
-                        if b"corral-probe-ok" in f.read():
-                            return ""
-                    if proc.returncode is not None:
-                        return "QEMU ended before the guest's init ran: " + self._why(d)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(proc.wait(), 0.05)
-                return f"the guest did not reach its init in {limit:g}s: " + self._why(d)
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-
     def _append(self, accel: str, extra: str) -> str:
-        return f"console=ttyS0 quiet panic=-1 {self._clock_args(accel)} {extra}"
+        return f"console=ttyS0 quiet panic=-1 {microvm_accel.clock_args(accel)} {extra}"
 
     def _argv(self, accel: str, mem_mb: int, cpus: int, append: str, serial: str, sdir: str = "",
               layer_files: list[str] | None = None, incoming_fd: int = -1) -> list[str]:
@@ -205,17 +146,6 @@ class MicrovmSubstrate(Substrate):
             argv += ["-incoming", f"fd:{incoming_fd}"]
         return argv
 
-    @staticmethod
-    def _clock_args(accel: str) -> str:
-        """Under TCG the guest's TSC runs at the host's rate, and a microvm has no HPET or PM
-        timer to measure it against: the kernel's PIT calibration fails under load and the boot
-        then hangs (~1 in 5) calibrating the APIC timer against PIT ticks. Told the rate
-        (tsc_early_khz, the host's from /proc/cpuinfo, whose TSC is constant), it uses the TSC
-        and the APIC's TSC-deadline timer and calibrates nothing."""
-        if accel != "tcg":
-            return ""
-        return f"tsc=reliable lpj=4000000 tsc_early_khz={host_tsc_khz()}" if host_tsc_khz() else "tsc=reliable lpj=4000000"
-
     # ------------------------------------------------------------------ life cycle
 
     async def create(self, info: SandboxInfo, spec: SandboxSpec) -> Sandbox:
@@ -234,7 +164,7 @@ class MicrovmSubstrate(Substrate):
                 raise
         sdir = f"{self.sandboxes_dir}/{sid}"
         cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
-        proc: asyncio.subprocess.Process | None = None
+        proc: QemuProcess | None = None
         chan = GuestChannel(f"{sdir}/agent.sock")
         mem_fd = -1
         try:
@@ -248,9 +178,7 @@ class MicrovmSubstrate(Substrate):
             if saved:
                 mem_fd = os.open(files.memory_path, os.O_RDONLY | os.O_CLOEXEC)
             argv = self._argv(self.accel, guest_mb, _vcpus(spec.cpu), append, f"file:{sdir}/console.log", sdir, files.paths, mem_fd)
-            with open(f"{sdir}/qemu.log", "wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                                                            stderr=log_file, pass_fds=(mem_fd,) if saved else ())
+            proc = await asyncio.to_thread(QemuProcess.start, argv, f"{sdir}/qemu.log", (mem_fd,) if saved else ())
             cg.add(proc.pid)
             with open(f"{sdir}/qemu.pid", "w") as f:
                 f.write(str(proc.pid))
@@ -280,6 +208,8 @@ class MicrovmSubstrate(Substrate):
                 await self._become(chan, info, spec)
             if spec.cpu < BOOT_CPU:
                 cg.set_cpu(spec.cpu)
+            sb = MicrovmSandbox(info, spec, sdir, cg, proc, chan, files, append)
+            self._persist(sb)
         except BaseException:
             await asyncio.shield(chan.close())
             await asyncio.shield(self._teardown(sid, sdir, cg, proc, files.digests))
@@ -287,7 +217,13 @@ class MicrovmSubstrate(Substrate):
         finally:
             if mem_fd >= 0:
                 os.close(mem_fd)
-        return MicrovmSandbox(info, spec, sdir, cg, proc, chan, files, append)
+        return sb
+
+    @staticmethod
+    def _persist(sb: MicrovmSandbox) -> None:
+        """The record a successor adopts the guest by (not a warm one's: those are cleaned up)."""
+        if not sb.id.startswith(WARM_PREFIX):
+            save_record(sb.sdir, microvm_adopt.GuestRecord(info=sb.info, spec=sb.spec, files=sb.files, append=sb.append))
 
     def _check_resumable(self, spec: SandboxSpec, saved: GuestMemory) -> None:
         """A saved guest resumes only on the machine it was saved from: the same device layout,
@@ -354,6 +290,7 @@ class MicrovmSubstrate(Substrate):
             await asyncio.shield(self.destroy(sb))
             raise
         sb.info, sb.spec, sb.warm_id = info, spec, old
+        self._persist(sb)
         return sb
 
     @staticmethod
@@ -392,12 +329,12 @@ class MicrovmSubstrate(Substrate):
                 await sb.exit_watch
         await self._teardown(sb.id, sb.sdir, sb.cg, sb.proc, sb.files.digests)
 
-    async def _teardown(self, sid: str, sdir: str, cg: cgroups.Cgroups, proc: asyncio.subprocess.Process | None,
+    async def _teardown(self, sid: str, sdir: str, cg: cgroups.Cgroups, proc: QemuProcess | None,
                         layers: list[str]) -> None:
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        if proc is not None:
+            proc.kill()
             await proc.wait()
+            proc.close()
         await asyncio.to_thread(self._remove, sdir, cg)
         await self.layers.release_files(layers)
 
@@ -407,20 +344,51 @@ class MicrovmSubstrate(Substrate):
         shutil.rmtree(sdir, ignore_errors=True)
 
     async def reconcile(self) -> tuple[list[Sandbox], AdoptReport]:
-        """A predecessor's guests are not adopted (their agent channels are gone with it): each is
-        killed through its cgroup and its files removed, its layers given back to the loader."""
+        """A predecessor's guests that still run, with a record, are adopted (microvm_adopt.py);
+        the rest (a pool's, half made, ended) are killed through their cgroups and their files
+        removed, their layers given back to the loader."""
         report = AdoptReport()
+        adopted: list[Sandbox] = []
+        warm = 0
         for sid in sorted(os.listdir(self.sandboxes_dir)) if os.path.isdir(self.sandboxes_dir) else []:
             sdir = f"{self.sandboxes_dir}/{sid}"
-            layers: list[str] = []
-            with contextlib.suppress(OSError, ValueError), open(f"{sdir}/layers.json") as f:
-                layers = list(json.load(f))
-            await asyncio.to_thread(self._remove, sdir, cgroups.Cgroups(f"{self.cgroup_parent}/{sid}"))
+            cg = cgroups.Cgroups(f"{self.cgroup_parent}/{sid}")
+            rec = load_record(f"{sdir}/sandbox.json", microvm_adopt.GuestRecord)
+            if rec is not None and not sid.startswith(WARM_PREFIX):
+                got = await microvm_adopt.reattach(sdir, cg)
+                if not isinstance(got, str):
+                    sb = MicrovmSandbox(rec.info, rec.spec, sdir, cg, got.proc, got.chan, rec.files, rec.append)
+                    sb.paused = got.paused
+                    if sb.paused:
+                        sb.info.state = "paused"
+                    adopted.append(sb)
+                    report.adopted.append(sid)
+                    continue
+                report.notes.append(f"{sid} not adopted: {got}")
+            layers: list[str] = rec.files.digests if rec is not None else []
+            if rec is None:
+                with contextlib.suppress(OSError, ValueError), open(f"{sdir}/layers.json") as f:
+                    layers = list(json.load(f))
+            await asyncio.to_thread(self._remove, sdir, cg)
             if layers:
                 await self.layers.release_files(layers)
-            report.cleaned.append(sid)
-        await asyncio.to_thread(cgroups.Cgroups(self.cgroup_parent).destroy, 5)
-        return [], report
+            if sid.startswith(WARM_PREFIX):  # never claimed: not a user's sandbox, no event
+                warm += 1
+            else:
+                report.cleaned.append(sid)
+        if warm:
+            report.notes.append(f"removed {warm} unclaimed warm-pool guest(s)")
+        if adopted:  # cgroups of no guest's dir (a create cut off between the two) go
+            await asyncio.to_thread(self._sweep_strays, {sb.id for sb in adopted})
+        else:
+            await asyncio.to_thread(cgroups.Cgroups(self.cgroup_parent).destroy, 5)
+        return adopted, report
+
+    def _sweep_strays(self, keep: set[str]) -> None:
+        for d in cgroups.Cgroups(self.cgroup_parent).all_dirs():
+            for sid in os.listdir(d):
+                if os.path.isdir(f"{d}/{sid}") and sid not in keep:
+                    cgroups.Cgroups(f"{self.cgroup_parent}/{sid}").destroy(timeout=5)
 
     # ------------------------------------------------------------------ operations
 
@@ -497,6 +465,8 @@ class MicrovmSubstrate(Substrate):
                           activity: tuple[float, float] | None = None) -> None:
         assert isinstance(sb, MicrovmSandbox)
         sb.chan.on_guard = on_open
+        if sb.paused:  # adopted stopped: the guard it has runs on, with its marks (a stopped guest could not answer)
+            return
         a = await sb.chan.guard(list(sb.spec.protected_paths), list(sb.spec.canaries), activity)
         if a.rc != 0:
             raise InvalidRequest(f"the guest could not guard the protected paths and canaries: "
@@ -559,22 +529,6 @@ class MicrovmSubstrate(Substrate):
 
     def audit_root(self, sb: Sandbox) -> str | None:
         return None
-
-
-@functools.cache
-def host_tsc_khz() -> int:
-    """The host's TSC rate in kHz (0: unknown, or not constant)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return 0
-    if " constant_tsc" not in info:
-        return 0
-    for line in info.splitlines():
-        if line.startswith("cpu MHz"):
-            return int(float(line.split(":")[1]) * 1000)
-    return 0
 
 
 def _vcpus(cpu: float) -> int:

@@ -2,7 +2,10 @@
 over the virtio-serial port QEMU exposes as a unix socket, binary fields base64 behind a "-".
 
 Requests carry ids; answers come back in any order and are matched by id, so execs, file reads
-and writes run concurrently in the guest."""
+and writes run concurrently in the guest. The guest's agent outlives a host that goes away (a
+node-agent restart): a new channel may first get answers to its predecessor's requests, whose
+ids it never used, and the guard's reports of the meantime, which it keeps until `on_guard` is
+set."""
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +28,7 @@ HOST_GRACE_S = 5.0
 GUARD_KINDS = ("p", "c", "open", "write", "exec", "dropped", "overflow")  # what the guard's E lines report
 STREAMS = {"o": "stdout", "e": "stderr"}
 LINE_LIMIT = 64 << 20  # an answer's line: base64 of up to two outputs of max_output_bytes
+HELD_REPORTS = 10_000  # the guard's reports kept while nobody takes them (an adopted guest's, before its wiring)
 
 
 class ExecDone(msgspec.Struct, frozen=True):
@@ -79,15 +83,30 @@ class GuestChannel:
         self.waiting: dict[str, asyncio.Future[list[str]]] = {}
         self.streams: dict[str, Callable[[str, bytes], None]] = {}  # exec id -> its output chunks, as they come
         self.blobs: dict[str, Callable[[str, bytes], None]] = {}  # request id -> the chunks of its answer (C lines)
-        self.on_guard: Callable[[GuardedOpen], None] | None = None  # the guard's reports (E lines)
+        self._on_guard: Callable[[GuardedOpen], None] | None = None  # the guard's reports (E lines)
+        self.held: list[GuardedOpen] = []  # reports that came before anyone took them
         self.writer: asyncio.StreamWriter | None = None
         self.reader_task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
         self.closed = False
 
-    async def connect(self, timeout: float) -> None:
+    @property
+    def on_guard(self) -> Callable[[GuardedOpen], None] | None:
+        return self._on_guard
+
+    @on_guard.setter
+    def on_guard(self, callback: Callable[[GuardedOpen], None] | None) -> None:
+        """Who takes the guard's reports from now on; it gets those held so far first."""
+        self._on_guard = callback
+        held, self.held = self.held, []
+        for report in held if callback is not None else ():
+            self._hand_on(report)
+
+    async def connect(self, timeout: float, ping: bool = True) -> None:
         """Connect (the socket appears once QEMU runs) and wait for the agent's first answer: it
-        is asked until it answers, since a greeting sent before we connected is lost."""
+        is asked until it answers, since a greeting sent before we connected is lost. A newline
+        first ends whatever line a predecessor's channel was cut off in (the agent drops it).
+        Without `ping` (a stopped guest cannot answer), connected is enough."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -99,6 +118,9 @@ class GuestChannel:
                     raise Unavailable(f"the microvm's agent socket {self.sock} did not appear in {timeout:g}s") from None
                 await asyncio.sleep(0.01)
         self.reader_task = asyncio.create_task(self._read(reader))
+        self.writer.write(b"\n")
+        if not ping:
+            return
         while True:
             try:
                 await asyncio.wait_for(self.call("P"), 0.5)
@@ -137,7 +159,7 @@ class GuestChannel:
             self.waiting.clear()
 
     def _guarded(self, parts: list[str]) -> None:
-        if self.on_guard is None or len(parts) != 8 or parts[2] not in GUARD_KINDS:
+        if len(parts) != 8 or parts[2] not in GUARD_KINDS:
             return
         try:
             report = GuardedOpen(kind=parts[2], pid=int(parts[3]), denied=parts[4] == "1", who=parts[5],
@@ -145,8 +167,16 @@ class GuestChannel:
         except ValueError:  # (binascii.Error is one)
             log.warning("a malformed guard report from the guest", extra={"fields": {"sock": self.sock}})
             return
+        if self._on_guard is None:
+            if len(self.held) < HELD_REPORTS:
+                self.held.append(report)
+            return
+        self._hand_on(report)
+
+    def _hand_on(self, report: GuardedOpen) -> None:
+        assert self._on_guard is not None
         try:
-            self.on_guard(report)
+            self._on_guard(report)
         except Exception:
             log.exception("a guard report's callback failed")
 
