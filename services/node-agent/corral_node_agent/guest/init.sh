@@ -1,7 +1,8 @@
 #!/bin/sh
 # corral's microvm init: PID 1 of the guest, from the initramfs. Mounts the image's EROFS layers
 # (virtio block devices whose serial is l0, l1, ... bottom first) under an overlay whose upper is a
-# tmpfs of corral_disk MiB, caps the sandbox's processes at corral_pids, starts the holder of the
+# tmpfs of corral_disk MiB, caps the sandbox's processes at corral_pids and their memory at
+# corral_mem MiB, starts the holder of the
 # sandbox's namespaces (corral-guest), then runs the guest agent; the guest powers off when the
 # agent ends.
 export PATH=/bin
@@ -56,12 +57,15 @@ cd /
 # pids_max binds the sandbox's processes (every exec joins this group), not the agent
 mkdir -p /sys/fs/cgroup
 mount -t cgroup2 cgroup /sys/fs/cgroup || fail "no cgroup2"
-# memory: no limit here (the guest's RAM is memory_mb + disk_mb), but memory.events counts the
-# processes the guest's OOM killer ends in each exec's group
+# memory_mb binds the sandbox's processes (what they write to its tmpfs included, as a container's
+# writes to its upper are charged to it), not the guest: the agent and its files.write stay
+# outside; memory.events counts the processes the OOM killer ends in each exec's group
 echo "+pids +memory" > /sys/fs/cgroup/cgroup.subtree_control
 mkdir /sys/fs/cgroup/sandbox
 echo +memory > /sys/fs/cgroup/sandbox/cgroup.subtree_control || fail "no memory controller"
 echo "$(arg pids)" > /sys/fs/cgroup/sandbox/pids.max || fail "cannot set pids.max"
+echo "$(($(arg mem) * 1048576))" > /sys/fs/cgroup/sandbox/memory.max || fail "cannot set memory.max"
+echo 0 > /sys/fs/cgroup/sandbox/memory.swap.max 2>/dev/null
 mkdir /sys/fs/cgroup/read  # the agent's files.read (the guard reports its opens: agent.sh)
 mkdir -p /mnt/root/.corral/io
 chown 64222:64222 /mnt/root/.corral/io && chmod 0711 /mnt/root/.corral/io || fail "no io dir"

@@ -10,7 +10,9 @@ guest agent answers on a virtio-serial port (microvm_channel.py). No network dev
 KVM when the host's passes a real boot (probed once per host, cached in GUEST_CACHE; a nested
 KVM that creates VMs but never runs a vCPU is common), TCG otherwise (`CORRAL_MICROVM_ACCEL`
 forces one). QEMU runs in the sandbox's cgroup: cpu as asked, memory as the guest's RAM plus
-QEMU's own share. The guest's RAM is memory_mb + disk_mb (its writable layer lives in it).
+QEMU's own share. The guest's RAM is memory_mb + disk_mb (its writable layer lives in it) and a
+base share; inside, memory_mb binds the sandbox's processes (its cgroup's memory.max), what they
+write to its files included, as on a container.
 
 Warm pools (`--warm-pool microvm:IMAGE=N`) keep booted guests stopped, for creates whose RAM
 and vCPUs are the defaults. A streaming exec gets its output every ~0.1 s as the guest agent finds
@@ -174,7 +176,8 @@ class MicrovmSubstrate(Substrate):
             guest_mb = spec.memory_mb + spec.disk_mb + GUEST_BASE_MB
             await asyncio.to_thread(self._make_cgroup, cg, max(spec.cpu, BOOT_CPU), guest_mb + QEMU_OVERHEAD_MB)
             append = saved.append if saved else self._append(
-                self.accel, f"corral_disk={spec.disk_mb} corral_layers={len(files.paths)} corral_host={sid} corral_pids={spec.pids_max}")
+                self.accel, f"corral_disk={spec.disk_mb} corral_layers={len(files.paths)} corral_host={sid} corral_pids={spec.pids_max} "
+                f"corral_mem={spec.memory_mb}")
             if saved:
                 mem_fd = os.open(files.memory_path, os.O_RDONLY | os.O_CLOEXEC)
             argv = self._argv(self.accel, guest_mb, _vcpus(spec.cpu), append, f"file:{sdir}/console.log", sdir, files.paths, mem_fd)
