@@ -7,6 +7,7 @@ sideways (by handle, by block map) denied and reported, and everything else (new
 included) refused with EPERM. The same policy serves every substrate (container, function, docker)."""
 from __future__ import annotations
 
+import functools
 import platform
 import resource
 from typing import Any
@@ -149,8 +150,25 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
     denied calls are SCMP_ACT_NOTIFY: runc hands the notify fd to that socket, the agent answers
     EPERM and records each attempt (audit/seccomp.py); `metadata` (the sandbox id) comes back with
     the fd. Without it (docker, tests) they are plain SCMP_ACT_ERRNO(EPERM). Calls on no list
-    fail with EPERM, unreported (as under Docker's profile)."""
-    deny: dict[str, Any] = ({"action": "SCMP_ACT_NOTIFY"} if listener_path
+    fail with EPERM, unreported (as under Docker's profile). A new dict each call; its rules are
+    shared between calls and must not be changed."""
+    profile: dict[str, Any] = {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": EPERM,
+        "architectures": ARCHITECTURES,
+        "syscalls": _seccomp_rules(bool(listener_path)),
+    }
+    if listener_path:
+        profile["listenerPath"] = listener_path
+        profile["listenerMetadata"] = metadata
+    return profile
+
+
+@functools.cache
+def _seccomp_rules(notify: bool) -> list[dict[str, Any]]:
+    """The profile's rules, made once per kind (building them walks every denied ioctl: ~1 ms,
+    on each function call's path)."""
+    deny: dict[str, Any] = ({"action": "SCMP_ACT_NOTIFY"} if notify
                             else {"action": "SCMP_ACT_ERRNO", "errnoRet": EPERM})
     ns_mask = 0
     for flag in CLONE_NS_FLAGS.values():
@@ -158,7 +176,7 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
     # A syscall's rules must not overlap: runc's libseccomp lets an unconditional allow win over
     # a conditional deny or notify. So ioctl is allowed for every request but the denied ones
     # (allow_ioctls), and a watched call is allowed exactly where its watch does not apply.
-    watched = {n for r in WATCHED_SYSCALLS for n in r["names"]} if listener_path else set()
+    watched = {n for r in WATCHED_SYSCALLS for n in r["names"]} if notify else set()
     rules: list[dict[str, Any]] = [
         {"names": [n for n in ALLOWED_SYSCALLS if n not in watched and n != "ioctl"], "action": "SCMP_ACT_ALLOW"},
         *({"names": ["ioctl"], "action": "SCMP_ACT_ALLOW", "args": [{"index": 1, "value": mask, "valueTwo": value,
@@ -184,22 +202,14 @@ def seccomp_profile(listener_path: str | None = None, metadata: str = "") -> dic
             "names": ["clone"], **deny,
             "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
         })
-    profile: dict[str, Any] = {
-        "defaultAction": "SCMP_ACT_ERRNO",
-        "defaultErrnoRet": EPERM,
-        "architectures": ARCHITECTURES,
-        "syscalls": rules,
-    }
-    if listener_path:
+    if notify:
         for r in WATCHED_SYSCALLS:
             rules.append({**r, "action": "SCMP_ACT_NOTIFY"})
             if "args" in r:  # allowed where the watch's one condition is false
                 (cond,) = r["args"]
                 assert cond["op"] == "SCMP_CMP_NE"
                 rules.append({"names": r["names"], "action": "SCMP_ACT_ALLOW", "args": [{**cond, "op": "SCMP_CMP_EQ"}]})
-        profile["listenerPath"] = listener_path
-        profile["listenerMetadata"] = metadata
-    return profile
+    return rules
 
 
 # Per-process limits every sandbox process starts with (and cannot raise: no CAP_SYS_RESOURCE):

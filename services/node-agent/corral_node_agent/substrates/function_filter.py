@@ -65,10 +65,10 @@ class CompiledFilters:
         self.failed: set[str] = set()
         self.capturing: dict[str, asyncio.Task] = {}
 
-    def lookup(self, profile: dict[str, Any]) -> int | None:
+    def lookup(self, profile: dict[str, Any], key: str = "") -> int | None:
         """The memfd holding `profile`'s program, or None (then runc compiles it) while it is
-        being captured or if it cannot be."""
-        key = profile_key(profile)
+        being captured or if it cannot be. `key`: its profile_key, if the caller has it."""
+        key = key or profile_key(profile)
         fd = self.fds.get(key)
         if fd is None and key not in self.failed and key not in self.capturing:
             self.capturing[key] = asyncio.create_task(self._capture(key, profile))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import platform
 import signal
@@ -26,7 +27,7 @@ from .base import ChunkCallback
 from .common import result_stderr
 from .container import ContainerSubstrate
 from .container_exec import feed
-from .function_filter import EXEC_IN_SANDBOX, CompiledFilters
+from .function_filter import EXEC_IN_SANDBOX, CompiledFilters, profile_key
 from .function_slots import Slot
 from .runc_cli import wait_pid
 
@@ -39,13 +40,20 @@ NATIVE_ARCHES = {
 }
 
 
+@functools.cache
 def seccomp_profile() -> dict[str, Any]:
     """A call's seccomp policy: the container substrate's without a listener, for only the
     architectures this kernel can present (the filter, and runc's work compiling it, shrinks;
-    nothing is allowed that was denied: a foreign arch never matches here)."""
+    nothing is allowed that was denied: a foreign arch never matches here). Made once (it is
+    the same for every call), and not to be changed."""
     profile = oci.seccomp_profile()
     profile["architectures"] = NATIVE_ARCHES.get(platform.machine(), profile["architectures"])
     return profile
+
+
+@functools.cache
+def seccomp_profile_key() -> str:
+    return profile_key(seccomp_profile())
 
 
 async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, req: ExecRequest, argv: list[str],
@@ -82,7 +90,7 @@ async def run_in_slot(sub: ContainerSubstrate, slot: Slot, spec: SandboxSpec, re
             ns["path"] = f"{sdir}/netns"
     cfg["linux"]["seccomp"] = profile = seccomp_profile()
     filter_fd = None
-    if filters is not None and (filter_fd := filters.lookup(profile)) is not None:
+    if filters is not None and (filter_fd := filters.lookup(profile, seccomp_profile_key())) is not None:
         del cfg["linux"]["seccomp"]
         cfg["mounts"].append({"destination": EXEC_IN_SANDBOX, "type": "bind", "source": filters.exec_path,
                               "options": ["bind", "ro", "nosuid", "nodev"]})
