@@ -525,14 +525,22 @@ async def test_a_restarted_node_agent_adopts_its_guests_with_their_state_and_gua
                 agent.wait()
                 await asyncio.sleep(5)  # the background cat runs, and is denied, while no agent does
                 assert qemus_of_ours() == qemus  # no guest ended
+                reconciled = await nc.subscribe(subjects.node_event("node-1", "reconciled"))
                 s.restart("node-1")
-                deadline = time.monotonic() + 60
-                while not any(e.kind == "ready" and e.sandbox_id == paused.id and "adopted" in e.reason for e in got):
+                # each substrate reconciles in turn (microvm's two guests, then vm's), each guest
+                # adopted with a `ready` event; a guest it could not adopt would be `cleaned`, with why
+                deadline = time.monotonic() + 120
+                while {e.sandbox_id for e in got if e.kind == "ready" and "adopted" in e.reason} < set(ids):
                     assert time.monotonic() < deadline, [(e.kind, e.sandbox_id, e.reason) for e in got]
                     await asyncio.sleep(0.2)
+                reports: dict[str, dict] = {}
+                while set(reports) != {"microvm", "vm"}:  # (container and function may report too)
+                    r = msgspec.json.decode((await reconciled.next_msg(timeout=10)).data)
+                    reports[r["substrate"]] = r
+                assert sorted(reports["microvm"]["adopted"] + reports["vm"]["adopted"]) == sorted(ids), reports
+                assert reports["microvm"]["cleaned"] == reports["vm"]["cleaned"] == [], reports
 
                 for sb in sbs:
-                    assert [e for e in got if e.kind == "ready" and e.sandbox_id == sb.id and "adopted" in e.reason]
                     r = await sb.exec("cat /state.txt; echo; ps | grep -c '[s]leep 600'")
                     assert (r.exit_code, r.stdout) == (0, "before crash\n1\n"), r
                     r = await sb.exec("pwd; echo $KEPT", session="s")

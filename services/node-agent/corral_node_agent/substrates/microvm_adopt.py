@@ -26,7 +26,7 @@ from .microvm_process import QemuProcess
 
 log = logging.getLogger("corral.node.microvm")
 
-ADOPT_TIMEOUT_S = 10.0  # for the guest's agent to answer the new host
+ADOPT_TIMEOUT_S = 30.0  # for the guest's agent to answer the new host (a loaded TCG host is slow; giving up destroys the guest)
 
 
 class GuestRecord(msgspec.Struct):
