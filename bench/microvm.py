@@ -115,7 +115,7 @@ async def run(args) -> dict[str, Any]:
             sub = REGISTRY[name]("bench", work, None)  # type: ignore[arg-type]  (only its QEMU command line is used)
             assert isinstance(sub, MicrovmSubstrate)
             sub.guest = guest
-            argv[name] = sub._argv(accel[name], spec.memory_mb + spec.disk_mb + GUEST_BASE_MB, 1, sub._append(accel[name], "corral_probe=1"),
+            argv[name] = sub.qemu_argv(accel[name], spec.memory_mb + spec.disk_mb + GUEST_BASE_MB, 1, sub.kernel_cmdline(accel[name], "corral_probe=1"),
                                    f"file:{work}/console.log", layer_files=[layer_file()])
         times: dict[str, dict[str, list[float]]] = {name: {op: [] for op in OPS} for name in SUBSTRATES}
         for i in range(args.n):

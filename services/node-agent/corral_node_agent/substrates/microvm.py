@@ -124,10 +124,10 @@ class MicrovmSubstrate(Substrate):
         self.accel = await microvm_accel.choose(self)
         log.info(f"{self.name} substrate ready", extra={"fields": {"accel": self.accel, "kernel": self.guest.version}})
 
-    def _append(self, accel: str, extra: str) -> str:
+    def kernel_cmdline(self, accel: str, extra: str) -> str:
         return f"console=ttyS0 quiet panic=-1 {microvm_accel.clock_args(accel)} {extra}"
 
-    def _argv(self, accel: str, mem_mb: int, cpus: int, append: str, serial: str, sdir: str = "",
+    def qemu_argv(self, accel: str, mem_mb: int, cpus: int, append: str, serial: str, sdir: str = "",
               layer_files: list[str] | None = None, incoming_fd: int = -1) -> list[str]:
         assert self.guest is not None
         argv = [self.qemu, "-M", self.machine,
@@ -175,12 +175,12 @@ class MicrovmSubstrate(Substrate):
                 json.dump(files.digests, f)
             guest_mb = spec.memory_mb + spec.disk_mb + GUEST_BASE_MB
             await asyncio.to_thread(self._make_cgroup, cg, max(spec.cpu, BOOT_CPU), guest_mb + QEMU_OVERHEAD_MB)
-            append = saved.append if saved else self._append(
+            append = saved.append if saved else self.kernel_cmdline(
                 self.accel, f"corral_disk={spec.disk_mb} corral_layers={len(files.paths)} corral_host={sid} corral_pids={spec.pids_max} "
                 f"corral_mem={spec.memory_mb}")
             if saved:
                 mem_fd = os.open(files.memory_path, os.O_RDONLY | os.O_CLOEXEC)
-            argv = self._argv(self.accel, guest_mb, _vcpus(spec.cpu), append, f"file:{sdir}/console.log", sdir, files.paths, mem_fd)
+            argv = self.qemu_argv(self.accel, guest_mb, _vcpus(spec.cpu), append, f"file:{sdir}/console.log", sdir, files.paths, mem_fd)
             proc = await asyncio.to_thread(QemuProcess.start, argv, f"{sdir}/qemu.log", (mem_fd,) if saved else ())
             cg.add(proc.pid)
             with open(f"{sdir}/qemu.pid", "w") as f:
@@ -191,14 +191,14 @@ class MicrovmSubstrate(Substrate):
                     try:
                         await microvm_qmp.load(f"{sdir}/qmp.sock", ended)
                     except Internal as e:
-                        raise Internal(f"{self.name} {sid} could not resume image {spec.image!r} ({e}): {self._why(sdir)}") from None
+                        raise Internal(f"{self.name} {sid} could not resume image {spec.image!r} ({e}): {self.failure_text(sdir)}") from None
                 boot = asyncio.create_task(chan.connect(BOOT_TIMEOUT_S))
                 await asyncio.wait({boot, ended}, return_when=asyncio.FIRST_COMPLETED)
                 if not boot.done():
                     boot.cancel()
                     with contextlib.suppress(BaseException):
                         await boot
-                    raise Internal(f"{self.name} {sid} stopped while booting: {self._why(sdir)}")
+                    raise Internal(f"{self.name} {sid} stopped while booting: {self.failure_text(sdir)}")
             finally:
                 ended.cancel()
                 with contextlib.suppress(BaseException):
@@ -206,7 +206,7 @@ class MicrovmSubstrate(Substrate):
             try:
                 boot.result()
             except Unavailable as e:
-                raise Internal(f"{self.name} {sid} did not come up ({e}): {self._why(sdir)}") from None
+                raise Internal(f"{self.name} {sid} did not come up ({e}): {self.failure_text(sdir)}") from None
             if saved:
                 await self._become(chan, info, spec)
             if spec.cpu < BOOT_CPU:
@@ -302,7 +302,7 @@ class MicrovmSubstrate(Substrate):
         cg.set_limits(cpu, memory_mb, QEMU_TASKS)
 
     @staticmethod
-    def _why(sdir: str) -> str:
+    def failure_text(sdir: str) -> str:
         """The end of QEMU's log and the guest's console, for an error."""
         out = []
         for name in ("qemu.log", "console.log"):

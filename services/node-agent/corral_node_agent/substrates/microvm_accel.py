@@ -60,7 +60,7 @@ async def probe(sub: MicrovmSubstrate, accel: str, limit: float) -> str:
     d = tempfile.mkdtemp(prefix=f"{sub.name}-probe-", dir=sub.state_dir)
     try:
         with open(f"{d}/qemu.log", "wb") as log_file:
-            proc = await asyncio.create_subprocess_exec(*sub._argv(accel, 128, 1, sub._append(accel, "corral_probe=1"), f"file:{d}/console.log"),
+            proc = await asyncio.create_subprocess_exec(*sub.qemu_argv(accel, 128, 1, sub.kernel_cmdline(accel, "corral_probe=1"), f"file:{d}/console.log"),
                                                         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                                                         stderr=log_file)
         try:
@@ -70,10 +70,10 @@ async def probe(sub: MicrovmSubstrate, accel: str, limit: float) -> str:
                     if b"corral-probe-ok" in f.read():
                         return ""
                 if proc.returncode is not None:
-                    return "QEMU ended before the guest's init ran: " + sub._why(d)
+                    return "QEMU ended before the guest's init ran: " + sub.failure_text(d)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), 0.05)
-            return f"the guest did not reach its init in {limit:g}s: " + sub._why(d)
+            return f"the guest did not reach its init in {limit:g}s: " + sub.failure_text(d)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
